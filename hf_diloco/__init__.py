@@ -1,0 +1,23 @@
+"""hf_diloco: DiLoCo, Streaming DiLoCo and DiLoCoX for Hugging Face causal LMs over slow links."""
+
+from .config import DiLoCoConfig
+from .core.diloco import DiLoCo
+from .core.topology import Topology
+
+__all__ = ["DiLoCoConfig", "DiLoCo", "Topology", "DiLoCoTrainer", "DiLoCoTrainingArguments", "DiLoCoPlugin"]
+
+_LAZY = {
+    "DiLoCoTrainer": ("trainer", "DiLoCoTrainer"),
+    "DiLoCoTrainingArguments": ("trainer", "DiLoCoTrainingArguments"),
+    "DiLoCoPlugin": ("accelerate_plugin", "DiLoCoPlugin"),
+}
+
+
+def __getattr__(name: str):
+    # transformers/accelerate glue is imported on first use so that `hf_diloco.core` stays importable without them.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(f".{module}", __name__), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,199 @@
+"""`DiLoCoConfig`: every knob of the DiLoCo family, with help text, validation and YAML loading.
+
+Defaults follow the papers: H = 100 inner steps, outer Nesterov SGD with lr 0.7 and momentum 0.9
+(DiLoCo, Douillard et al. 2023, arXiv 2311.08105), strided fragments and alpha = 0.5 merging
+(Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
+FRAGMENT_PATTERNS = ("strided", "sequential")
+OVERLAP_MODES = ("streaming", "delayed", "eager")
+SCALE_DTYPES = ("fp32", "bf16")
+
+
+@dataclass
+class DiLoCoConfig:
+    """
+    Configuration of the DiLoCo outer loop.
+
+    Outer loop:
+        inner_steps (`int`): H, inner optimizer steps between two syncs of the same fragment.
+        outer_lr (`float`): learning rate of the outer SGD applied to the averaged pseudo-gradient.
+        outer_momentum (`float`): momentum of the outer SGD.
+        outer_nesterov (`bool`): Nesterov momentum for the outer SGD.
+
+    Streaming (fragments and overlap):
+        num_fragments (`int`): P, fragments of the block stack synced one at a time, every H/P steps.
+        fragment_pattern (`str`): `strided` (block i -> fragment i mod P) or `sequential` (contiguous runs).
+        sync_delay (`int`): tau, inner steps between launching a fragment's exchange and applying it.
+        merge_alpha (`float`): alpha in `local <- alpha * local + (1 - alpha) * global` when tau > 0.
+        overlap (`str`): `streaming` (tau-step overlap), `delayed` (one-round delay) or `eager`.
+
+    Compression:
+        compression (`str`): codec for the exchanged pseudo-gradient.
+        compression_block_size (`int`): elements per absmax scale block.
+        compression_scale_dtype (`str`): dtype of the per-block scales.
+        error_feedback (`bool`): add what quantization dropped to the next pseudo-gradient.
+
+    Topology:
+        pipeline_stages (`int`): pipeline stages inside one worker.
+        data_parallel_per_worker (`int`): data-parallel replicas inside one worker (GPUs per node).
+
+    Runtime:
+        global_copy_device (`str`): where the fp32 global copy and outer optimizer state live.
+        sync_timeout_seconds (`float`): how long an outer exchange may take before it is declared dead.
+    """
+
+    inner_steps: int = field(default=100, metadata={"help": "H: inner optimizer steps per outer round."})
+    outer_lr: float = field(default=0.7, metadata={"help": "Learning rate of the outer (Nesterov) SGD."})
+    outer_momentum: float = field(default=0.9, metadata={"help": "Momentum of the outer SGD."})
+    outer_nesterov: bool = field(default=True, metadata={"help": "Use Nesterov momentum in the outer SGD."})
+    num_fragments: int = field(
+        default=1, metadata={"help": "P: fragments of the block stack, synced one every H/P steps. 1 = DiLoCo."}
+    )
+    fragment_pattern: str = field(
+        default="strided",
+        metadata={"help": "How blocks map to fragments.", "choices": list(FRAGMENT_PATTERNS)},
+    )
+    sync_delay: int = field(
+        default=0, metadata={"help": "tau: inner steps between a fragment's launch and its apply (< H/P)."}
+    )
+    merge_alpha: float = field(
+        default=0.5, metadata={"help": "alpha: weight of the local parameters when merging with tau > 0."}
+    )
+    overlap: str = field(
+        default="streaming",
+        metadata={"help": "Overlap mode of the outer sync.", "choices": list(OVERLAP_MODES)},
+    )
+    compression: str = field(
+        default="none",
+        metadata={"help": "Codec of the exchanged pseudo-gradient.", "choices": list(COMPRESSIONS)},
+    )
+    compression_block_size: int = field(
+        default=128, metadata={"help": "Elements per absmax scale block of the quantizing codecs."}
+    )
+    compression_scale_dtype: str = field(
+        default="fp32",
+        metadata={"help": "dtype of the per-block scales.", "choices": list(SCALE_DTYPES)},
+    )
+    error_feedback: bool = field(
+        default=False, metadata={"help": "Carry the quantization residual into the next pseudo-gradient."}
+    )
+    pipeline_stages: int = field(default=1, metadata={"help": "Pipeline stages inside one worker."})
+    data_parallel_per_worker: int = field(
+        default=1, metadata={"help": "Data-parallel replicas inside one worker (e.g. GPUs per node)."}
+    )
+    global_copy_device: str = field(
+        default="cpu", metadata={"help": "Device of the fp32 global copy and outer optimizer state."}
+    )
+    sync_timeout_seconds: float = field(
+        default=1800.0, metadata={"help": "Seconds an outer exchange may take before it fails with an error."}
+    )
+
+    def __post_init__(self) -> None:
+        self.validate_diloco()
+
+    def validate_diloco(self) -> None:
+        """Raise `ValueError` naming the first invalid field."""
+        _check_int("inner_steps", self.inner_steps, minimum=1)
+        _check_int("num_fragments", self.num_fragments, minimum=1)
+        _check_int("sync_delay", self.sync_delay, minimum=0)
+        _check_int("compression_block_size", self.compression_block_size, minimum=2)
+        _check_int("pipeline_stages", self.pipeline_stages, minimum=1)
+        _check_int("data_parallel_per_worker", self.data_parallel_per_worker, minimum=1)
+        _check_float("outer_lr", self.outer_lr, low=0.0)
+        _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+        _check_float("merge_alpha", self.merge_alpha, low=0.0, high=1.0)
+        _check_float("sync_timeout_seconds", self.sync_timeout_seconds, low=0.0, low_open=True)
+        _check_choice("fragment_pattern", self.fragment_pattern, FRAGMENT_PATTERNS)
+        _check_choice("overlap", self.overlap, OVERLAP_MODES)
+        _check_choice("compression", self.compression, COMPRESSIONS)
+        _check_choice("compression_scale_dtype", self.compression_scale_dtype, SCALE_DTYPES)
+        if self.compression_block_size % 2:
+            raise ValueError(
+                f"compression_block_size must be even (fp4 packs two values per byte), got {self.compression_block_size}."
+            )
+        if self.inner_steps % self.num_fragments:
+            raise ValueError(
+                f"inner_steps ({self.inner_steps}) must be divisible by num_fragments ({self.num_fragments}): "
+                "one fragment is synced every inner_steps / num_fragments steps."
+            )
+        if self.overlap == "streaming" and self.sync_delay >= self.inner_steps // self.num_fragments:
+            raise ValueError(
+                f"sync_delay ({self.sync_delay}) must be smaller than inner_steps / num_fragments "
+                f"({self.inner_steps // self.num_fragments}) so a fragment's exchange is applied before the next "
+                "fragment is launched."
+            )
+        if self.overlap in ("delayed", "eager") and self.sync_delay != 0:
+            raise ValueError(
+                f"sync_delay must be 0 with overlap='{self.overlap}': that mode applies each exchange one whole round "
+                "later by itself."
+            )
+        if not str(self.global_copy_device):
+            raise ValueError("global_copy_device must name a device, e.g. 'cpu'.")
+
+    def diloco_dict(self) -> dict[str, Any]:
+        """The DiLoCo fields only (also on subclasses that add many more fields)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DiLoCoConfig)}
+
+    def fingerprint(self) -> str:
+        """A hash of the fields that every worker must agree on (everything but local runtime knobs)."""
+        local_only = {"global_copy_device", "sync_timeout_seconds"}
+        shared = {k: v for k, v in self.diloco_dict().items() if k not in local_only}
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> DiLoCoConfig:
+        """Load the DiLoCo fields from a YAML file (a flat mapping, or a `diloco:` section); other keys are ignored."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of field names to values, got {type(data).__name__}.")
+        data = data.get("diloco", data)
+        known = {f.name for f in dataclasses.fields(DiLoCoConfig)}
+        values = {k: v for k, v in data.items() if k in known}
+        values.update(overrides)
+        return cls(**values)
+
+
+def diloco_field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(DiLoCoConfig)]
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+
+
+def _check_float(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}.")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}.")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}.")

@@ -1,0 +1,402 @@
+"""The DiLoCo engine: launch, apply and merge of fragment-wise outer syncs.
+
+Sources: DiLoCo (Douillard et al. 2023, arXiv 2311.08105), Streaming DiLoCo (Douillard et al. 2025,
+arXiv 2501.18512), DiLoCoX (arXiv 2506.21263, one-step delay) and Eager updates (Kale et al. 2025,
+arXiv 2502.12996). The exact update rules of every overlap mode are written in `DiLoCo`'s docstring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import DiLoCoConfig
+from .codecs import make_codec
+from .exchange import ExchangeResult, OuterExchange, PendingExchange
+from .fragments import find_block_stack, fragments_launched_at, partition_fragments
+from .topology import Topology
+
+
+@dataclass
+class _InFlight:
+    pending: PendingExchange
+    apply_at: int  # inner step after which the exchange is applied
+    sent: torch.Tensor | None = None  # own pseudo-gradient as sent (eager needs it next round)
+
+
+class DiLoCo:
+    """DiLoCo outer loop around any model and inner optimizer.
+
+    Call `step()` after every inner optimizer step (t counts them from 1) and `close()` at the end.
+
+    Notation for fragment p: θg the fp32 global copy (identical on every worker), θm this worker's parameters,
+    OuterOpt the outer optimizer (Nesterov SGD by default), avg the fp32 mean over workers of what they sent, H the
+    inner steps, P the fragments, τ `sync_delay`, α `merge_alpha`. Fragment p is launched after step t when
+    `t % H == ((p + 1) * H // P) % H`.
+
+    overlap="streaming" (Streaming DiLoCo; P = 1, τ = 0 is plain DiLoCo):
+        launch at t: send Δm = θg - θm(t).
+        apply at t + τ: θg <- OuterOpt(θg, avg); θm <- θg if τ = 0 else α·θm + (1 - α)·θg.
+    overlap="delayed" (DiLoCoX one-step delay): a round's average is applied one round later, hidden by it.
+        at launch r: send Δm^r = θg - θm; then wait for round r-1, θg <- OuterOpt(θg, avg^{r-1}); θm <- θg.
+        Each round starts from a global model that lacks the previous round's update (hence its loss penalty).
+    overlap="eager" (Kale et al.): own contribution fresh, the others one round stale, corrected a round later.
+        at launch r: send Δm^r = a_m - θm (a_m: this worker's start point of the round); wait for round r-1 and
+        apply the true average, θg <- OuterOpt(θg, avg^{r-1}); estimate this round's average as
+        Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M (Δ~ = Δm^1 in the first round); θm <- a_m <- OuterOpt'(θg, Δ~), where
+        OuterOpt' is a look-ahead step whose optimizer state is thrown away. θg only ever sees true averages.
+    `close()` waits for what is in flight and applies it at once (θm <- θg afterwards), so θg is complete.
+
+    A non-finite average (some worker produced NaN/inf) is skipped by every worker alike: θg and the outer state
+    stay as they were, θm <- θg, and `stats["skipped_nonfinite"]` counts it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer | None,
+        config: DiLoCoConfig,
+        topology: Topology | None = None,
+        num_blocks: int | None = None,
+    ):
+        self.config = config
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.topology = topology or Topology.from_default_group(
+            config.pipeline_stages, config.data_parallel_per_worker, config.sync_timeout_seconds
+        )
+        self._check_topology_matches_config()
+        self._params = dict((name, p) for name, p in model.named_parameters() if p.requires_grad)
+        self._fragments = partition_fragments(
+            list(self._params), config.num_fragments, config.fragment_pattern, find_block_stack(model), num_blocks
+        )
+        self._check_workers_agree()
+        self._broadcast_initial_parameters()
+        self._device = torch.device(config.global_copy_device)
+        self._global = [self._flatten_local(p).to(self._device) for p in range(config.num_fragments)]
+        self._anchor = [g.clone() for g in self._global] if config.overlap == "eager" else None
+        self._outer_optimizer = self._make_outer_optimizer()
+        self._residual: list[torch.Tensor | None] = [None] * config.num_fragments
+        self._in_flight: dict[int, _InFlight] = {}
+        self.exchange = OuterExchange(
+            self.topology,
+            make_codec(config.compression, config.compression_block_size, config.compression_scale_dtype),
+            config.sync_timeout_seconds,
+            keep_residual=config.error_feedback,
+        )
+        self.inner_step = 0
+        self.stats: dict[str, float] = {
+            "outer_steps": 0,
+            "bytes_sent": 0,
+            "bytes_sent_intra_worker": 0,
+            "sync_wait_seconds": 0.0,
+            "skipped_nonfinite": 0,
+            "pseudo_grad_norm": 0.0,
+        }
+
+    # ----------------------------------------------------------------------------------------------- public API
+
+    def step(self) -> None:
+        """Advance the schedule by one completed inner optimizer step."""
+        self.inner_step += 1
+        t = self.inner_step
+        for fragment, flight in sorted(self._in_flight.items(), key=lambda item: item[1].apply_at):
+            if self.config.overlap == "streaming" and flight.apply_at == t:
+                self._apply_streaming(fragment)
+        for fragment in fragments_launched_at(t, self.config.inner_steps, self.config.num_fragments):
+            self._launch(fragment)
+
+    def close(self) -> None:
+        """Apply everything still in flight (in launch order), so the global parameters are complete."""
+        for fragment in sorted(self._in_flight, key=lambda p: self._in_flight[p].apply_at):
+            if self.config.overlap == "streaming":
+                self._apply_streaming(fragment, tau_override=0)
+            else:
+                self._finish_round(fragment, self._in_flight.pop(fragment))
+                self._write_local(fragment, self._global[fragment])
+                if self._anchor is not None:
+                    self._anchor[fragment] = self._global[fragment].clone()
+        self.exchange.close()
+
+    def fragment_names(self) -> list[list[str]]:
+        return [list(names) for names in self._fragments]
+
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """fp32 θg by parameter name (views of the flat per-fragment buffers)."""
+        out: dict[str, torch.Tensor] = {}
+        for fragment, names in enumerate(self._fragments):
+            out.update(self._unflatten(fragment, self._global[fragment]))
+        return out
+
+    @contextlib.contextmanager
+    def global_weights(self) -> Iterator[nn.Module]:
+        """Temporarily load θg into the model (to evaluate or save the global model); the local weights come back."""
+        saved = [self._flatten_local(p) for p in range(len(self._fragments))]
+        try:
+            for fragment in range(len(self._fragments)):
+                self._write_local(fragment, self._global[fragment])
+            yield self.model
+        finally:
+            for fragment, values in enumerate(saved):
+                self._write_local(fragment, values)
+
+    def metrics(self) -> dict[str, float]:
+        """`diloco/*` scalars for logging; computed from local state only (no collective)."""
+        drift = self._relative_drift()
+        logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
+        logs["diloco/local_global_drift"] = drift
+        logs["diloco/inner_step"] = float(self.inner_step)
+        return logs
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue bitwise: waits for in-flight exchanges but does not apply them."""
+        pending = {}
+        for fragment, flight in self._in_flight.items():
+            result = self._wait(flight.pending)
+            flight.pending = PendingExchange.completed(result)
+            pending[fragment] = {
+                "apply_at": flight.apply_at,
+                "average": result.average,
+                "residual": result.residual,
+                "bytes_sent": result.bytes_sent,
+                "bytes_sent_intra_worker": result.bytes_sent_intra_worker,
+                "sent": flight.sent,
+            }
+        return {
+            "fingerprint": self.config.fingerprint(),
+            "inner_step": self.inner_step,
+            "global": [g.clone() for g in self._global],
+            "local": [self._flatten_local(p) for p in range(len(self._fragments))],
+            "anchor": None if self._anchor is None else [a.clone() for a in self._anchor],
+            "outer_optimizer": self._outer_optimizer.state_dict(),
+            "inner_optimizer": None if self.inner_optimizer is None else self.inner_optimizer.state_dict(),
+            "residual": list(self._residual),
+            "pending": pending,
+            "stats": dict(self.stats),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["fingerprint"] != self.config.fingerprint():
+            raise ValueError(
+                "This DiLoCo checkpoint was written with different DiLoCo settings (fingerprint "
+                f"{state['fingerprint']} != {self.config.fingerprint()}); resume with the settings it was saved with."
+            )
+        if len(state["global"]) != len(self._global) or any(
+            a.shape != b.shape for a, b in zip(state["global"], self._global)
+        ):
+            raise ValueError("This DiLoCo checkpoint does not match the model's parameters (fragment sizes differ).")
+        self.inner_step = int(state["inner_step"])
+        self._global = [g.to(self._device).clone() for g in state["global"]]
+        self._outer_optimizer = self._make_outer_optimizer()
+        self._outer_optimizer.load_state_dict(state["outer_optimizer"])
+        if state["anchor"] is not None:
+            self._anchor = [a.to(self._device).clone() for a in state["anchor"]]
+        for fragment, values in enumerate(state["local"]):
+            self._write_local(fragment, values)
+        if self.inner_optimizer is not None and state["inner_optimizer"] is not None:
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        self._residual = list(state["residual"])
+        self._in_flight = {}
+        for fragment, item in state["pending"].items():
+            result = ExchangeResult(
+                item["average"], item["residual"], item["bytes_sent"], item["bytes_sent_intra_worker"]
+            )
+            self._in_flight[int(fragment)] = _InFlight(
+                PendingExchange.completed(result), item["apply_at"], item["sent"]
+            )
+        self.stats = dict(state["stats"])
+
+    # ----------------------------------------------------------------------------------------------- schedule
+
+    def _launch(self, fragment: int) -> None:
+        mode = self.config.overlap
+        anchor = self._anchor[fragment] if mode == "eager" else self._global[fragment]
+        delta = anchor - self._flatten_local(fragment).to(self._device)
+        if self._residual[fragment] is not None:
+            delta += self._residual[fragment].to(self._device)
+        self.stats["pseudo_grad_norm"] = float(delta.norm())
+        blocking = mode == "streaming" and self.config.sync_delay == 0
+        description = f"outer sync of fragment {fragment} at inner step {self.inner_step} with peers {self.topology.outer_peers()}"
+        pending = self.exchange.launch(delta.cpu(), description, blocking=blocking)
+        if mode == "streaming":
+            self._in_flight[fragment] = _InFlight(pending, self.inner_step + self.config.sync_delay)
+            if self.config.sync_delay == 0:
+                self._apply_streaming(fragment)
+            return
+        previous = self._in_flight.pop(fragment, None)
+        self._in_flight[fragment] = _InFlight(pending, self.inner_step + self.config.inner_steps, sent=delta)
+        average = self._finish_round(fragment, previous) if previous is not None else None
+        if mode == "delayed":
+            self._write_local(fragment, self._global[fragment])
+            return
+        estimate = delta if average is None else average + (delta - previous.sent) / self.topology.num_workers
+        start = self._look_ahead(fragment, estimate)
+        self._anchor[fragment] = start
+        self._write_local(fragment, start)
+
+    def _apply_streaming(self, fragment: int, tau_override: int | None = None) -> None:
+        flight = self._in_flight.pop(fragment)
+        applied = self._finish_round(fragment, flight)
+        tau = self.config.sync_delay if tau_override is None else tau_override
+        if applied is None or tau == 0:
+            self._write_local(fragment, self._global[fragment])
+            return
+        alpha = self.config.merge_alpha
+        local = self._flatten_local(fragment).to(self._device)
+        self._write_local(fragment, alpha * local + (1 - alpha) * self._global[fragment])
+
+    def _finish_round(self, fragment: int, flight: _InFlight) -> torch.Tensor | None:
+        """Wait for a round's exchange and take the outer step on θg; returns the average (None if skipped)."""
+        result = self._wait(flight.pending)
+        self.stats["bytes_sent"] += result.bytes_sent
+        self.stats["bytes_sent_intra_worker"] += result.bytes_sent_intra_worker
+        self._residual[fragment] = result.residual
+        average = result.average.to(self._device)
+        if not bool(torch.isfinite(average).all()):
+            self.stats["skipped_nonfinite"] += 1
+            self._residual[fragment] = None
+            return None
+        self._outer_step(fragment, average)
+        self.stats["outer_steps"] += 1
+        return average
+
+    def _wait(self, pending: PendingExchange) -> ExchangeResult:
+        started = time.perf_counter()
+        result = pending.wait()
+        self.stats["sync_wait_seconds"] += time.perf_counter() - started
+        return result
+
+    # ----------------------------------------------------------------------------------------------- outer optimizer
+
+    def _make_outer_optimizer(self) -> torch.optim.Optimizer:
+        momentum = self.config.outer_momentum
+        return torch.optim.SGD(
+            self._global,
+            lr=self.config.outer_lr,
+            momentum=momentum,
+            nesterov=self.config.outer_nesterov and momentum > 0,
+        )
+
+    def _outer_step(self, fragment: int, gradient: torch.Tensor) -> None:
+        for index, tensor in enumerate(self._global):
+            tensor.grad = gradient if index == fragment else None
+        self._outer_optimizer.step()
+        self._global[fragment].grad = None
+
+    def _look_ahead(self, fragment: int, gradient: torch.Tensor) -> torch.Tensor:
+        """θg after one outer step with `gradient`, leaving θg and the outer optimizer state untouched."""
+        param = self._global[fragment]
+        saved_param = param.detach().clone()
+        saved_state = {
+            k: v.clone() if torch.is_tensor(v) else v for k, v in self._outer_optimizer.state[param].items()
+        }
+        self._outer_step(fragment, gradient)
+        result = param.detach().clone()
+        param.data.copy_(saved_param)
+        if saved_state:
+            self._outer_optimizer.state[param] = saved_state
+        else:
+            self._outer_optimizer.state.pop(param, None)
+        return result
+
+    # ----------------------------------------------------------------------------------------------- parameters
+
+    def _flatten_local(self, fragment: int) -> torch.Tensor:
+        params = [self._params[name] for name in self._fragments[fragment]]
+        if not params:
+            return torch.zeros(0, dtype=torch.float32, device=self._device_or_cpu())
+        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+
+    def _write_local(self, fragment: int, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            for name, chunk in self._unflatten(fragment, values).items():
+                param = self._params[name]
+                param.copy_(chunk.to(param.device, param.dtype))
+
+    def _unflatten(self, fragment: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name in self._fragments[fragment]:
+            param = self._params[name]
+            out[name] = flat[offset : offset + param.numel()].view(param.shape)
+            offset += param.numel()
+        return out
+
+    def _device_or_cpu(self) -> torch.device:
+        return getattr(self, "_device", torch.device("cpu"))
+
+    def _relative_drift(self) -> float:
+        squared_diff, squared_norm = 0.0, 0.0
+        for fragment in range(len(self._fragments)):
+            local = self._flatten_local(fragment).to(self._device)
+            squared_diff += float((local - self._global[fragment]).pow(2).sum())
+            squared_norm += float(self._global[fragment].pow(2).sum())
+        return (squared_diff / squared_norm) ** 0.5 if squared_norm > 0 else 0.0
+
+    # ----------------------------------------------------------------------------------------------- start-up checks
+
+    def _check_topology_matches_config(self) -> None:
+        layout = self.topology.layout
+        if (layout.pipeline_stages, layout.data_parallel) != (
+            self.config.pipeline_stages,
+            self.config.data_parallel_per_worker,
+        ):
+            raise ValueError(
+                f"The topology has pipeline_stages={layout.pipeline_stages}, data_parallel={layout.data_parallel} "
+                f"but the config says pipeline_stages={self.config.pipeline_stages}, "
+                f"data_parallel_per_worker={self.config.data_parallel_per_worker}."
+            )
+
+    def _check_workers_agree(self) -> None:
+        """Invariant 7: a config or model mismatch between ranks is an error at start, never a hang later."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        shapes = ";".join(f"{n}:{tuple(self._params[n].shape)}" for names in self._fragments for n in names)
+        mine = torch.tensor(
+            [int(self.config.fingerprint(), 16) & (2**62 - 1), _stable_hash(shapes), self.topology.stage_index],
+            dtype=torch.int64,
+        )
+        if dist.get_backend() == "nccl":
+            mine = mine.cuda()
+        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        configs = [int(t[0]) for t in everyone]
+        if len(set(configs)) != 1:
+            odd = [r for r, c in enumerate(configs) if c != configs[0]]
+            raise ValueError(
+                f"DiLoCo settings differ between ranks (ranks {odd} disagree with rank 0): every worker must use the "
+                "same inner_steps, num_fragments, compression, ... Check the config and DILOCO_* variables on each node."
+            )
+        stage = self.topology.stage_index
+        same_stage = [r for r, t in enumerate(everyone) if int(t[2]) == stage]
+        models = {int(everyone[r][1]) for r in same_stage}
+        if len(models) != 1:
+            raise ValueError(
+                f"Ranks {same_stage} hold different model shapes for pipeline stage {stage}; every worker must "
+                "train the same architecture."
+            )
+
+    def _broadcast_initial_parameters(self) -> None:
+        """Start every worker from the same weights: worker 0's, passed along the outer group, then inside the worker."""
+        topo = self.topology
+        with torch.no_grad():
+            for group, source in ((topo.outer_group, topo.outer_peers()[0]), (topo.data_parallel_sync_group, None)):
+                if group is None:
+                    continue
+                if source is None:
+                    source = topo.layout.rank_at(topo.worker_index, 0, topo.stage_index)
+                for param in self._params.values():
+                    buffer = param.detach().to("cpu").contiguous()
+                    dist.broadcast(buffer, src=source, group=group)
+                    param.copy_(buffer.to(param.device))
+
+
+def _stable_hash(text: str) -> int:
+    import hashlib
+
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)

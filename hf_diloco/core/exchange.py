@@ -1,0 +1,210 @@
+"""Asynchronous, quantized averaging of a flat fp32 pseudo-gradient across workers, with byte accounting.
+
+With M workers and D data-parallel ranks per worker, the flat vector is padded to a multiple of D * M * align
+(zeros), rank `dp` of every worker takes shard `dp`, and the M ranks holding the same shard run:
+
+1. encode the shard's M chunks, `all_to_all` them (chunk j goes to worker j),
+2. decode what arrived and sum it in fp32 (worker order, so every worker computes the same bits), divide by M,
+3. encode that averaged chunk again and `all_gather` the encoded chunks; every rank decodes all of them.
+
+Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. Then the
+D ranks of a worker all-gather their averaged shards over the fast intra-worker link. All of it runs in one
+background thread per engine, in launch order, so training continues while it is in flight.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .codecs import Codec
+from .topology import Topology
+
+
+@dataclass
+class ExchangeResult:
+    average: torch.Tensor  # fp32, same length as the launched vector
+    residual: torch.Tensor | None  # what the first encode dropped (for error feedback)
+    bytes_sent: int  # cross-worker wire bytes this rank handed to the network
+    bytes_sent_intra_worker: int
+
+
+class OuterSyncError(RuntimeError):
+    """An outer exchange failed or did not finish in time."""
+
+
+class PendingExchange:
+    """A launched exchange. Holds its buffers (inside the closure of the future) until the work is done."""
+
+    def __init__(self, future: Future, description: str, timeout_seconds: float):
+        self._future = future
+        self.description = description
+        self.timeout_seconds = timeout_seconds
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self) -> ExchangeResult:
+        try:
+            return self._future.result(timeout=self.timeout_seconds)
+        except TimeoutError as error:
+            raise OuterSyncError(
+                f"{self.description} did not finish within sync_timeout_seconds={self.timeout_seconds:g}s. A peer "
+                "worker has probably died or its link is down; restart from the latest checkpoint."
+            ) from error
+        except Exception as error:
+            raise OuterSyncError(f"{self.description} failed: {error}") from error
+
+    @classmethod
+    def completed(cls, result: ExchangeResult, description: str = "restored exchange") -> PendingExchange:
+        future: Future = Future()
+        future.set_result(result)
+        return cls(future, description, timeout_seconds=0.0)
+
+
+class _SerialWorker:
+    """One daemon thread running submitted jobs in order (a stuck collective must not block interpreter exit)."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], ExchangeResult]) -> Future:
+        future: Future = Future()
+        self._jobs.put((job, future))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job, future = self._jobs.get()
+            if job is None:
+                return
+            try:
+                future.set_result(job())
+            except BaseException as error:  # noqa: B036 - handed to the waiting thread
+                future.set_exception(error)
+
+    def shutdown(self) -> None:
+        self._jobs.put((None, None))
+
+
+class OuterExchange:
+    """Averages flat fp32 vectors across workers (see module docstring).
+
+    Args:
+        topology: the rank's groups; only `outer_group` and `data_parallel_sync_group` are used.
+        codec: encodes what crosses workers.
+        keep_residual: return what the first encode dropped (error feedback needs it).
+        timeout_seconds: how long `PendingExchange.wait` waits before raising `OuterSyncError`.
+        delay_seconds: a callable returning seconds to sleep before each exchange (tests and benchmarks use it to
+            emulate a slow link and to prove that nothing reads a buffer before its exchange finished).
+    """
+
+    def __init__(self, topology: Topology, codec: Codec, timeout_seconds: float = 1800.0, keep_residual: bool = False):
+        self.topology = topology
+        self.codec = codec
+        self.keep_residual = keep_residual
+        self.timeout_seconds = timeout_seconds
+        self.delay_seconds: Callable[[], float] | None = None
+        self.inline_when_blocking = True
+        self._worker: _SerialWorker | None = None
+
+    def launch(self, vector: torch.Tensor, description: str, blocking: bool = False) -> PendingExchange:
+        vector = vector.detach().to(torch.float32).contiguous()
+        job = _ExchangeJob(self, vector)
+        if blocking and self.inline_when_blocking:
+            future: Future = Future()
+            future.set_result(job())
+            return PendingExchange(future, description, self.timeout_seconds)
+        if self._worker is None:
+            self._worker = _SerialWorker("diloco-outer-sync")
+        return PendingExchange(self._worker.submit(job), description, self.timeout_seconds)
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+    def wire_bytes(self, numel: int) -> int:
+        """Cross-worker bytes one rank sends to average a vector of `numel` elements (the formula `_ExchangeJob` counts)."""
+        chunk_numel = _padded_length(numel, self._granularity()) // (
+            self.topology.data_parallel_size * self._workers()
+        )
+        return 2 * (self._workers() - 1) * self.codec.encoded_nbytes(chunk_numel)
+
+    def _workers(self) -> int:
+        return self.topology.num_workers
+
+    def _granularity(self) -> int:
+        return self.topology.data_parallel_size * self._workers() * self.codec.align
+
+
+class _ExchangeJob:
+    def __init__(self, exchange: OuterExchange, vector: torch.Tensor):
+        self.exchange = exchange
+        self.vector = vector
+
+    def __call__(self) -> ExchangeResult:
+        ex, topo = self.exchange, self.exchange.topology
+        if ex.delay_seconds is not None:
+            time.sleep(ex.delay_seconds())
+        numel = self.vector.numel()
+        padded = torch.zeros(_padded_length(numel, ex._granularity()), dtype=torch.float32)
+        padded[:numel] = self.vector
+        shards = padded.chunk(topo.data_parallel_size)
+        my_shard = shards[topo.dp_index]
+        if topo.num_workers == 1 or topo.outer_group is None:
+            averaged_shard, residual, sent = my_shard.clone(), None, 0
+        else:
+            averaged_shard, residual, sent = self._average_across_workers(my_shard)
+        full, intra = self._gather_inside_worker(averaged_shard)
+        if residual is not None:
+            # Only this rank encodes its shard, so only that part of the residual ever matters here.
+            padded_residual = torch.zeros_like(padded)
+            padded_residual.chunk(topo.data_parallel_size)[topo.dp_index].copy_(residual)
+            residual = padded_residual[:numel]
+        return ExchangeResult(full[:numel], residual, sent, intra)
+
+    def _average_across_workers(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        codec, group, workers = (
+            self.exchange.codec,
+            self.exchange.topology.outer_group,
+            self.exchange.topology.num_workers,
+        )
+        chunks = shard.chunk(workers)
+        chunk_numel = chunks[0].numel()
+        encoded = [codec.encode(chunk) for chunk in chunks]
+        residual = None
+        if self.exchange.keep_residual:
+            residual = torch.cat([chunk - codec.decode(enc, chunk_numel) for chunk, enc in zip(chunks, encoded)])
+        send = torch.cat(encoded)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        total = torch.zeros(chunk_numel, dtype=torch.float32)
+        for payload in received.chunk(workers):
+            total += codec.decode(payload, chunk_numel)
+        mine = codec.encode(total / workers)
+        gathered = [torch.empty_like(mine) for _ in range(workers)]
+        dist.all_gather(gathered, mine, group=group)
+        averaged = torch.cat([codec.decode(payload, chunk_numel) for payload in gathered])
+        return averaged, residual, 2 * (workers - 1) * mine.numel()
+
+    def _gather_inside_worker(self, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
+        topo = self.exchange.topology
+        if topo.data_parallel_size == 1 or topo.data_parallel_sync_group is None:
+            return shard, 0
+        parts = [torch.empty_like(shard) for _ in range(topo.data_parallel_size)]
+        dist.all_gather(parts, shard, group=topo.data_parallel_sync_group)
+        return torch.cat(parts), (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
+
+
+def _padded_length(numel: int, granularity: int) -> int:
+    return max(1, -(-numel // granularity)) * granularity

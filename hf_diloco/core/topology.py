@@ -1,0 +1,170 @@
+"""Rank grid -> process groups.
+
+A *worker* is `pipeline_stages x data_parallel` contiguous ranks on a fast interconnect that together hold one
+replica of the model. Inside a worker, rank `w * worker_size + dp * stages + stage` is data-parallel replica `dp`
+of pipeline stage `stage`. The outer (cross-worker) group of a rank joins the ranks with the same stage and the
+same data-parallel index in every worker: with D replicas per worker, each of them exchanges 1/D of the
+pseudo-gradient over its own outer group and the worker all-gathers the averaged shards over the fast link.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Pure arithmetic over the rank grid (no process groups), so it is testable without a launcher."""
+
+    world_size: int
+    pipeline_stages: int = 1
+    data_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size % self.worker_size:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by the worker size pipeline_stages x "
+                f"data_parallel_per_worker = {self.pipeline_stages} x {self.data_parallel} = {self.worker_size}. "
+                "Launch a multiple of that many processes or change the two settings."
+            )
+
+    @property
+    def worker_size(self) -> int:
+        return self.pipeline_stages * self.data_parallel
+
+    @property
+    def num_workers(self) -> int:
+        return self.world_size // self.worker_size
+
+    def worker_of(self, rank: int) -> int:
+        return rank // self.worker_size
+
+    def stage_of(self, rank: int) -> int:
+        return rank % self.worker_size % self.pipeline_stages
+
+    def dp_of(self, rank: int) -> int:
+        return rank % self.worker_size // self.pipeline_stages
+
+    def rank_at(self, worker: int, dp: int, stage: int) -> int:
+        return worker * self.worker_size + dp * self.pipeline_stages + stage
+
+    def worker_ranks(self, worker: int) -> list[int]:
+        return list(range(worker * self.worker_size, (worker + 1) * self.worker_size))
+
+    def data_parallel_ranks(self, worker: int, stage: int) -> list[int]:
+        return [self.rank_at(worker, dp, stage) for dp in range(self.data_parallel)]
+
+    def pipeline_ranks(self, worker: int, dp: int) -> list[int]:
+        return [self.rank_at(worker, dp, stage) for stage in range(self.pipeline_stages)]
+
+    def outer_ranks(self, dp: int, stage: int) -> list[int]:
+        return [self.rank_at(w, dp, stage) for w in range(self.num_workers)]
+
+
+class Topology:
+    """The process groups one rank needs. Build it with `Topology.from_default_group` (or `single_process`).
+
+    Groups (each `None` when the rank is alone in it, so callers can skip the collective):
+        worker_group: every rank of this worker.
+        data_parallel_group: same worker, same stage; DDP's gradient all-reduce runs here.
+        data_parallel_sync_group: the same ranks as `data_parallel_group` in a second process group, used by the
+            outer sync's all-gather from its background thread so it never interleaves with DDP's collectives.
+        pipeline_group: same worker, same data-parallel index: the stages of one pipeline.
+        outer_group: same stage and data-parallel index across workers; the only group that crosses workers.
+    """
+
+    def __init__(self, layout: RankLayout, rank: int, groups: dict[str, dist.ProcessGroup | None]):
+        self.layout = layout
+        self.rank = rank
+        self.worker_group = groups.get("worker")
+        self.data_parallel_group = groups.get("data_parallel")
+        self.data_parallel_sync_group = groups.get("data_parallel_sync")
+        self.pipeline_group = groups.get("pipeline")
+        self.outer_group = groups.get("outer")
+        self.world_group = groups.get("world")
+
+    @property
+    def num_workers(self) -> int:
+        return self.layout.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.layout.worker_of(self.rank)
+
+    @property
+    def stage_index(self) -> int:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def dp_index(self) -> int:
+        return self.layout.dp_of(self.rank)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.layout.data_parallel
+
+    @property
+    def pipeline_stages(self) -> int:
+        return self.layout.pipeline_stages
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(index, count) of the data shard this rank reads: one per (worker, dp) pair, shared by the stages."""
+        return (
+            self.worker_index * self.layout.data_parallel + self.dp_index,
+            self.num_workers * self.layout.data_parallel,
+        )
+
+    def outer_peers(self) -> list[int]:
+        return self.layout.outer_ranks(self.dp_index, self.stage_index)
+
+    @classmethod
+    def single_process(cls) -> Topology:
+        return cls(RankLayout(1), 0, {})
+
+    @classmethod
+    def from_default_group(
+        cls, pipeline_stages: int = 1, data_parallel_per_worker: int = 1, timeout_seconds: float | None = None
+    ) -> Topology:
+        """Create every group on every rank, in the same order (torch requires it), and keep the ones this rank is in."""
+        if not (dist.is_available() and dist.is_initialized()):
+            layout = RankLayout(1, pipeline_stages, data_parallel_per_worker)
+            return cls(layout, 0, {})
+        layout = RankLayout(dist.get_world_size(), pipeline_stages, data_parallel_per_worker)
+        rank = dist.get_rank()
+        timeout = datetime.timedelta(seconds=timeout_seconds) if timeout_seconds else None
+        kwargs = {"timeout": timeout} if timeout else {}
+        candidates: dict[str, list[list[int]]] = {
+            "worker": [layout.worker_ranks(w) for w in range(layout.num_workers)],
+            "data_parallel": [
+                layout.data_parallel_ranks(w, s)
+                for w in range(layout.num_workers)
+                for s in range(layout.pipeline_stages)
+            ],
+            "pipeline": [
+                layout.pipeline_ranks(w, d) for w in range(layout.num_workers) for d in range(layout.data_parallel)
+            ],
+            "outer": [
+                layout.outer_ranks(d, s) for d in range(layout.data_parallel) for s in range(layout.pipeline_stages)
+            ],
+        }
+        candidates["data_parallel_sync"] = candidates["data_parallel"]
+        groups: dict[str, dist.ProcessGroup | None] = {"world": dist.group.WORLD}
+        for name, rank_lists in candidates.items():
+            groups[name] = None
+            for ranks in rank_lists:
+                if len(ranks) == 1:
+                    continue  # a group of one needs no collective; every rank skips it alike
+                group = dist.new_group(ranks, backend=_backend_for(name), **kwargs)
+                if rank in ranks:
+                    groups[name] = group
+        return cls(layout, rank, groups)
+
+
+def _backend_for(group_name: str) -> str:
+    # The outer sync moves CPU buffers (the global copy lives off the accelerator) from a background thread,
+    # so its groups are gloo whatever the training backend is.
+    return "gloo" if group_name in ("outer", "data_parallel_sync") else dist.get_backend()

@@ -1,0 +1,148 @@
+"""Shared pieces of the engine tests: a tiny HF model, per-worker data, and an independent reference loop.
+
+The reference simulates M workers in one process with plain torch and implements DESIGN.md's update rules
+directly (its own fragment assignment, its own Nesterov arithmetic); it never calls hf_diloco.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+VOCAB, SEQ, BATCH, LAYERS = 64, 8, 2, 4
+INNER_LR = 3e-3
+
+
+def tiny_model(seed: int = 0, layers: int = LAYERS) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def batch_for(worker: int, step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * worker + step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def inner_step(model, optimizer, worker: int, step: int) -> float:
+    loss = model(**batch_for(worker, step)).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(loss.detach())
+
+
+def reference_fragment(name: str, num_fragments: int, pattern: str, layers: int = LAYERS) -> int:
+    match = re.search(r"layers\.(\d+)\.", name)
+    if not match:
+        return 0
+    block = int(match.group(1))
+    return block % num_fragments if pattern == "strided" else block * num_fragments // layers
+
+
+def reference_run(
+    workers: int,
+    steps: int,
+    inner_steps: int,
+    num_fragments: int = 1,
+    pattern: str = "strided",
+    sync_delay: int = 0,
+    alpha: float = 0.5,
+    outer_lr: float = 0.7,
+    momentum: float = 0.9,
+    overlap: str = "streaming",
+) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """Plain-torch simulation of M workers; returns (local params per worker, global params)."""
+    models = [tiny_model() for _ in range(workers)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=INNER_LR) for m in models]
+    params = [dict(m.named_parameters()) for m in models]
+    names = list(params[0])
+    frag = {n: reference_fragment(n, num_fragments, pattern) for n in names}
+    glob = {n: params[0][n].detach().clone().float() for n in names}
+    buf: dict[str, torch.Tensor] = {}
+    in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> (apply step, mean delta)
+    own_sent: dict[int, list[dict[str, torch.Tensor]]] = {}
+    anchor = [{n: glob[n].clone() for n in names} for _ in range(workers)]
+
+    def outer_update(values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor]) -> None:
+        for n, g in mean_delta.items():
+            b = buf.get(n)
+            b = g.clone() if b is None else momentum * b + g
+            buf[n] = b
+            step_dir = g + momentum * b if momentum > 0 else g
+            values[n] = values[n] - outer_lr * step_dir
+
+    def set_local(worker: int, n: str, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            params[worker][n].copy_(value)
+
+    def apply_streaming(fragment: int, tau: int) -> None:
+        _, mean_delta = in_flight.pop(fragment)
+        outer_update(glob, mean_delta)
+        for w in range(workers):
+            for n in mean_delta:
+                local = params[w][n].detach()
+                set_local(w, n, glob[n] if tau == 0 else alpha * local + (1 - alpha) * glob[n])
+
+    for t in range(1, steps + 1):
+        for w in range(workers):
+            inner_step(models[w], optimizers[w], w, t)
+        for fragment in [p for p, (at, _) in in_flight.items() if at == t and overlap == "streaming"]:
+            apply_streaming(fragment, sync_delay)
+        for p in range(num_fragments):
+            if t % inner_steps != ((p + 1) * inner_steps // num_fragments) % inner_steps:
+                continue
+            frag_names = [n for n in names if frag[n] == p]
+            base = anchor if overlap == "eager" else [glob] * workers
+            sent = [{n: base[w][n] - params[w][n].detach() for n in frag_names} for w in range(workers)]
+            mean = {n: sum(s[n] for s in sent) / workers for n in frag_names}
+            if overlap == "streaming":
+                in_flight[p] = (t + sync_delay, mean)
+                if sync_delay == 0:
+                    apply_streaming(p, 0)
+                continue
+            previous = in_flight.pop(p, None)
+            in_flight[p] = (t + inner_steps, mean)
+            if previous is not None:
+                outer_update(glob, previous[1])
+            for w in range(workers):
+                if overlap == "delayed":
+                    for n in frag_names:
+                        set_local(w, n, glob[n])
+                    continue
+                if previous is None:
+                    estimate = sent[w]
+                else:
+                    estimate = {n: previous[1][n] + (sent[w][n] - own_sent[p][w][n]) / workers for n in frag_names}
+                saved_buf = {n: buf[n].clone() for n in frag_names if n in buf}
+                look = {n: glob[n].clone() for n in frag_names}
+                outer_update(look, estimate)
+                for n in frag_names:
+                    buf.pop(n, None)
+                buf.update(saved_buf)
+                for n in frag_names:
+                    anchor[w][n] = look[n]
+                    set_local(w, n, look[n])
+            own_sent[p] = sent
+    for fragment in sorted(in_flight, key=lambda p: in_flight[p][0]):
+        if overlap == "streaming":
+            apply_streaming(fragment, 0)
+        else:
+            _, mean = in_flight.pop(fragment)
+            outer_update(glob, mean)
+            for w in range(workers):
+                for n in mean:
+                    set_local(w, n, glob[n])
+    return [{n: p.detach().clone() for n, p in ps.items()} for ps in params], glob

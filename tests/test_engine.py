@@ -1,0 +1,188 @@
+"""The engine on real gloo processes against the independent reference loop of engine_common."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+import torch
+
+from hf_diloco import DiLoCo, DiLoCoConfig
+from tests.dist_utils import run_on_processes
+from tests.engine_common import INNER_LR, inner_step, reference_run, tiny_model
+
+
+def _train_engine(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Run every case on this rank; returns local and global parameters plus the outer optimizer state."""
+    results = []
+    for case in cases:
+        case = dict(case)
+        steps = case.pop("steps")
+        delays = case.pop("random_delays", False)
+        inline = case.pop("inline_when_blocking", True)
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+        engine = DiLoCo(model, optimizer, DiLoCoConfig(**case))
+        engine.exchange.inline_when_blocking = inline
+        if delays:
+            rng = random.Random(rank)
+            engine.exchange.delay_seconds = lambda: rng.uniform(0, 0.02)
+        for t in range(1, steps + 1):
+            inner_step(model, optimizer, rank, t)
+            engine.step()
+        engine.close()
+        results.append(
+            {
+                "local": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "global": {n: v.clone() for n, v in engine.global_parameters().items()},
+                "outer_state": engine.state_dict()["outer_optimizer"],
+                "stats": dict(engine.stats),
+            }
+        )
+    return results
+
+
+def _assert_close(actual: dict, expected: dict, atol: float = 1e-5) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name].float(), value.float(), atol=atol, rtol=0, msg=name)
+
+
+def _assert_identical_global_state(results_per_rank: list[list[dict]]) -> None:
+    """Invariant 1: bitwise-identical θg and outer optimizer state on every worker."""
+    for case_index in range(len(results_per_rank[0])):
+        first = results_per_rank[0][case_index]
+        for other in results_per_rank[1:]:
+            other = other[case_index]
+            for name in first["global"]:
+                assert torch.equal(first["global"][name], other["global"][name]), name
+            for key, state in first["outer_state"]["state"].items():
+                assert torch.equal(state["momentum_buffer"], other["outer_state"]["state"][key]["momentum_buffer"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_plain_diloco_matches_reference(workers):
+    cases = [dict(inner_steps=4, steps=10), dict(inner_steps=3, steps=9, outer_lr=1.0, outer_momentum=0.0)]
+    results = run_on_processes(_train_engine, workers, cases)
+    _assert_identical_global_state(results)
+    for index, case in enumerate(cases):
+        locals_, glob = reference_run(
+            workers,
+            case["steps"],
+            case["inner_steps"],
+            outer_lr=case.get("outer_lr", 0.7),
+            momentum=case.get("outer_momentum", 0.9),
+        )
+        for rank in range(workers):
+            _assert_close(results[rank][index]["global"], glob)
+            _assert_close(results[rank][index]["local"], locals_[rank])
+        assert results[0][index]["stats"]["outer_steps"] == case["steps"] // case["inner_steps"]
+
+
+STREAMING_CASES = [
+    dict(num_fragments=p, fragment_pattern=pattern, sync_delay=tau, merge_alpha=alpha)
+    for p, pattern, tau, alpha in itertools.product([2, 4], ["strided", "sequential"], [0, 1, 2], [0.0, 0.5, 1.0])
+    if not (tau == 0 and alpha != 0.5)  # alpha is unused when tau = 0
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_streaming_matches_reference(workers):
+    inner = 12
+    cases = [dict(inner_steps=inner, steps=2 * inner + 5, **c) for c in STREAMING_CASES]
+    results = run_on_processes(_train_engine, workers, cases, timeout_seconds=500)
+    _assert_identical_global_state(results)
+    for index, case in enumerate(STREAMING_CASES):
+        locals_, glob = reference_run(
+            workers,
+            2 * inner + 5,
+            inner,
+            case["num_fragments"],
+            case["fragment_pattern"],
+            case["sync_delay"],
+            case["merge_alpha"],
+        )
+        for rank in range(workers):
+            _assert_close(results[rank][index]["global"], glob)
+            _assert_close(results[rank][index]["local"], locals_[rank])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_delayed_and_eager_match_reference(overlap):
+    workers, inner = 2, 4
+    cases = [
+        dict(inner_steps=inner, steps=3 * inner + 1, overlap=overlap),
+        dict(inner_steps=inner, steps=3 * inner + 1, overlap=overlap, num_fragments=2, random_delays=True),
+    ]
+    results = run_on_processes(_train_engine, workers, cases)
+    _assert_identical_global_state(results)
+    for index, case in enumerate(cases):
+        locals_, glob = reference_run(workers, case["steps"], inner, case.get("num_fragments", 1), overlap=overlap)
+        for rank in range(workers):
+            _assert_close(results[rank][index]["global"], glob)
+            _assert_close(results[rank][index]["local"], locals_[rank])
+
+
+@pytest.mark.timeout(300)
+def test_one_fragment_streaming_equals_plain_and_overlapped_path_is_bitwise_blocking():
+    """Invariant 3, plus: random delays injected in the exchange change nothing."""
+    base = dict(inner_steps=4, steps=9)
+    cases = [
+        dict(base),
+        dict(base, inline_when_blocking=False),
+        dict(base, inline_when_blocking=False, random_delays=True),
+        dict(base, num_fragments=1, sync_delay=0, overlap="streaming", merge_alpha=0.3),
+    ]
+    results = run_on_processes(_train_engine, 2, cases)
+    for rank_results in results:
+        reference = rank_results[0]
+        for other in rank_results[1:]:
+            for name in reference["global"]:
+                assert torch.equal(reference["global"][name], other["global"][name])
+                assert torch.equal(reference["local"][name], other["local"][name])
+
+
+def _timed_overlap_run(rank: int, world: int) -> dict:
+    timings = {}
+    for tau, delay in ((0, 0.0), (2, 0.0), (2, 0.15)):
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+        engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=12, num_fragments=2, sync_delay=tau))
+        engine.exchange.delay_seconds = lambda d=delay: d
+        started = time.perf_counter()
+        for t in range(1, 25):
+            inner_step(model, optimizer, rank, t)
+            time.sleep(0.1)  # a compute step of known length, so τ = 2 steps hide ~0.2 s
+            engine.step()
+        engine.close()
+        timings[(tau, delay)] = (time.perf_counter() - started, engine.stats["sync_wait_seconds"])
+    return timings
+
+
+@pytest.mark.timeout(300)
+def test_delays_that_fit_in_tau_do_not_slow_inner_steps():
+    """Overlap is real: an exchange that takes ~τ steps of time does not block the training loop."""
+
+    timings = run_on_processes(_timed_overlap_run, 2)[0]
+    baseline, _ = timings[(2, 0.0)]
+    delayed, waited = timings[(2, 0.15)]
+    assert waited < 0.1 * 4, timings  # 4 syncs, each hidden behind two 0.1 s steps
+    assert delayed < baseline * 1.15, timings
+
+
+def test_single_process_engine_is_diloco_with_one_worker():
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=3))
+    for t in range(1, 8):
+        inner_step(model, optimizer, 0, t)
+        engine.step()
+    engine.close()
+    locals_, glob = reference_run(1, 7, 3)
+    _assert_close(engine.global_parameters(), glob)
+    _assert_close(dict(model.named_parameters()), locals_[0])
+    assert engine.stats["bytes_sent"] == 0
