@@ -1,0 +1,325 @@
+"""Codecs for the exchanged pseudo-gradient.
+
+A codec turns a flat fp32 tensor whose length is a multiple of `codec.align` into a flat uint8 payload (values
+and per-block scales packed together) and back. The exchange never sums encoded values: it decodes to fp32 first.
+
+Wire format (native byte order, little-endian on every platform torch supports):
+
+| `compression` | payload                                                                 | `align`      |
+|---------------|-------------------------------------------------------------------------|--------------|
+| `none`        | fp32 values (4 bytes each)                                              | 1            |
+| `bf16`        | bf16 values (2 bytes each), no scales                                   | 1            |
+| `fp16`        | fp16 values (2 bytes each), then one scale per block                    | `block_size` |
+| `int8`        | int8 values in [-127, 127], then one scale per block                    | `block_size` |
+| `fp8`         | float8 e4m3fn values in [-448, 448], then one scale per block           | `block_size` |
+| `fp4`         | 4-bit E3M0 codes, two per byte (element 2i low nibble), then the scales | `block_size` |
+
+Scales are fp32 (4 bytes) or bf16 (2 bytes, `scale_dtype="bf16"`). A decoded element is `q * scale` with `q` the
+dequantized code, computed as one fp32 multiply.
+
+Design choices:
+
+- `bf16` stores no scales: bf16 has fp32's 8-bit exponent, so every finite fp32 value (clamped to the bf16 maximum)
+  is representable without overflow and a scale would only add bytes. `fp16` does use scales (absmax -> 65504): its
+  5-bit exponent overflows at 65504 and flushes below 2^-24, both well inside the range of pseudo-gradients.
+- Scales are rounded *up* to the storage dtype and the values are quantized against the stored scale, so the block
+  absmax never lands beyond the largest code and encode/decode agree on the scale bit for bit.
+- Determinism across machines: some hardware flushes subnormal floats to zero (FTZ/DAZ), others do not. Encode
+  therefore flushes subnormal fp32 inputs (|x| < 2^-126) to zero itself, and scales are clamped so that the
+  smallest nonzero code times the scale is a normal fp32 number. Decode is then a single IEEE fp32 multiply of
+  normal numbers (or a table lookup), which gives the same bits everywhere. Scales are also clamped from above so
+  that the largest code times the scale stays finite: huge outliers saturate instead of turning into inf.
+- `fp4` (E3M0, 1 sign + 3 exponent bits, no mantissa): exponent code `e = 0` is zero and `e = 1..7` is the
+  magnitude `scale * 2^(e - 7)`, with `scale = absmax`; that is magnitudes absmax * 2^-k for k = 0..6, plus zero.
+  Rounding is to the nearest representable value in *linear* space (decision thresholds `0.75 * 2^-k` between
+  neighbouring powers of two and `2^-7` between 2^-6 and zero); exact ties go to the larger magnitude. The relative
+  error is at most 1/3 for |x| >= absmax * 2^-6 and the absolute error at most absmax * 2^-7 below it.
+- Non-finite inputs are not supported: a NaN makes its whole block decode to NaN (so divergence stays visible),
+  an inf saturates like a huge outlier.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+_FP32_MAX = torch.finfo(torch.float32).max
+_FP32_TINY = 2.0**-126  # smallest normal fp32
+_SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
+
+
+def _flush_subnormals(values: torch.Tensor) -> torch.Tensor:
+    """fp32 copy of `values` with subnormals (and -0.0) replaced by +0.0, the same on FTZ and non-FTZ hardware."""
+    values = values.detach().to(torch.float32)
+    return torch.where(values.abs() < _FP32_TINY, torch.zeros((), dtype=torch.float32, device=values.device), values)
+
+
+def _reinterpret(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Fresh tensor of `dtype` from raw bytes; copies so that any storage offset (alignment) is fine."""
+    return payload.clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+def _round_up_to_bf16(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest bf16 value >= each (positive, finite) fp32 `scale`, returned as fp32."""
+    rounded = scale.to(torch.bfloat16)
+    too_small = rounded.to(torch.float32) < scale
+    bits = rounded.view(torch.int16)
+    # Positive bf16 values are ordered like their bit patterns: +1 is the next larger value.
+    return torch.where(too_small, bits + 1, bits).view(torch.bfloat16).to(torch.float32)
+
+
+def _largest_scale(qmax: float, scale_dtype: torch.dtype) -> float:
+    """Largest scale of `scale_dtype` for which `qmax * scale` is still a finite fp32 number."""
+    scale = torch.tensor(_FP32_MAX / qmax, dtype=torch.float64).to(torch.float32)
+    while float(scale) * qmax > _FP32_MAX:
+        scale = torch.nextafter(scale, torch.zeros_like(scale))
+    if scale_dtype == torch.bfloat16:
+        # Truncating the low 16 bits of a positive fp32 rounds it down to bf16.
+        scale = (scale.view(torch.int32) & -65536).view(torch.float32)
+    return float(scale)
+
+
+class Codec:
+    """Base codec: lossless fp32 (`compression="none"`).
+
+    Subclasses override `encoded_nbytes`, `encode` and `decode`; the argument checks are shared.
+    """
+
+    name = "none"
+    align = 1
+
+    def encoded_nbytes(self, numel: int) -> int:
+        """Bytes of the payload that `encode` returns for `numel` values."""
+        self._check_numel(numel)
+        return numel * 4
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """Encode a 1-D float tensor whose length is a multiple of `align` into a 1-D uint8 payload."""
+        self._check_values(values)
+        return values.detach().to(torch.float32).contiguous().view(torch.uint8).clone()
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """Decode a payload of `encoded_nbytes(numel)` bytes into a fresh 1-D fp32 tensor of `numel` values."""
+        self._check_payload(payload, numel)
+        return _reinterpret(payload, torch.float32)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, align={self.align})"
+
+    def _check_numel(self, numel: int) -> None:
+        if numel < 0 or numel % self.align:
+            raise ValueError(f"{self.name} codec needs a length that is a multiple of {self.align}, got {numel}.")
+
+    def _check_values(self, values: torch.Tensor) -> None:
+        if values.dim() != 1 or not values.is_floating_point():
+            raise ValueError(f"{self.name} codec encodes 1-D float tensors, got {values.dtype} {tuple(values.shape)}.")
+        self._check_numel(values.numel())
+
+    def _check_payload(self, payload: torch.Tensor, numel: int) -> None:
+        expected = self.encoded_nbytes(numel)
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != expected:
+            raise ValueError(
+                f"{self.name} codec expects a 1-D uint8 payload of {expected} bytes for {numel} values, "
+                f"got {payload.dtype} {tuple(payload.shape)}."
+            )
+
+
+class BF16Codec(Codec):
+    """Round to nearest bf16 (8 significant bits, relative error <= 2^-8); no scales, see the module docstring."""
+
+    name = "bf16"
+    align = 1
+
+    def encoded_nbytes(self, numel: int) -> int:
+        self._check_numel(numel)
+        return numel * 2
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        self._check_values(values)
+        bf16_max = torch.finfo(torch.bfloat16).max
+        return _flush_subnormals(values).clamp_(-bf16_max, bf16_max).to(torch.bfloat16).view(torch.uint8)
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        self._check_payload(payload, numel)
+        return _reinterpret(payload, torch.bfloat16).to(torch.float32)
+
+
+class BlockCodec(Codec, abc.ABC):
+    """Base of the codecs with one absmax scale per block of `block_size` values.
+
+    A block's scale is `absmax / qmax` (rounded up to `scale_dtype`, clamped as the module docstring explains); an
+    element is sent as the code nearest to `value / scale` and decoded as `code * scale`.
+
+    Args:
+        block_size (`int`): values per scale; also `align`.
+        scale_dtype (`str`): `"fp32"` or `"bf16"`, the dtype scales are stored in.
+    """
+
+    bits: int  # bits per value on the wire
+    qmax: float  # magnitude the block absmax maps to
+    qmin: float  # smallest nonzero code magnitude
+
+    def __init__(self, block_size: int = 128, scale_dtype: str = "fp32") -> None:
+        self.align = self.block_size = block_size
+        self.scale_dtype = _SCALE_DTYPES[scale_dtype]
+        self.scale_nbytes = self.scale_dtype.itemsize
+        self.min_scale = _FP32_TINY / self.qmin
+        self.max_scale = _largest_scale(self.qmax, self.scale_dtype)
+
+    def __repr__(self) -> str:
+        dtype = "bf16" if self.scale_dtype == torch.bfloat16 else "fp32"
+        return f"{type(self).__name__}(block_size={self.block_size}, scale_dtype={dtype!r})"
+
+    def encoded_nbytes(self, numel: int) -> int:
+        self._check_numel(numel)
+        return numel * self.bits // 8 + numel // self.block_size * self.scale_nbytes
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        self._check_values(values)
+        blocks = _flush_subnormals(values).view(-1, self.block_size)
+        scales = self.block_scales(blocks)
+        codes = self._quantize(blocks / scales[:, None])
+        return torch.cat([codes, scales.to(self.scale_dtype).view(torch.uint8)])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        self._check_payload(payload, numel)
+        value_nbytes = numel * self.bits // 8
+        scales = _reinterpret(payload[value_nbytes:], self.scale_dtype).to(torch.float32)
+        decoded = self._dequantize(payload[:value_nbytes], numel).view(-1, self.block_size)
+        return decoded.mul_(scales[:, None]).view(-1)
+
+    def block_scales(self, blocks: torch.Tensor) -> torch.Tensor:
+        """fp32 scales (exactly representable in `scale_dtype`) of a `(num_blocks, block_size)` fp32 tensor."""
+        scales = (blocks.abs().amax(dim=1) / self.qmax).clamp_(self.min_scale, self.max_scale)
+        if self.scale_dtype == torch.bfloat16:
+            scales = _round_up_to_bf16(scales).clamp_(max=self.max_scale)
+        return scales
+
+    @abc.abstractmethod
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        """`(num_blocks, block_size)` values in scale units -> 1-D uint8 value bytes."""
+
+    @abc.abstractmethod
+    def _dequantize(self, value_bytes: torch.Tensor, numel: int) -> torch.Tensor:
+        """1-D uint8 value bytes -> fresh 1-D fp32 tensor of codes in scale units."""
+
+
+class FP16Codec(BlockCodec):
+    """Round to nearest fp16 after scaling the block absmax to 65504 (relative error <= 2^-11 in fp16's normal range)."""
+
+    name = "fp16"
+    bits = 16
+    qmax = torch.finfo(torch.float16).max
+    qmin = 2.0**-24
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.clamp_(-self.qmax, self.qmax).to(torch.float16).view(-1).view(torch.uint8)
+
+    def _dequantize(self, value_bytes: torch.Tensor, numel: int) -> torch.Tensor:
+        return _reinterpret(value_bytes, torch.float16).to(torch.float32)
+
+
+class Int8Codec(BlockCodec):
+    """Symmetric int8: `round(value / scale)` in [-127, 127] with `scale = absmax / 127`, error <= absmax / 254."""
+
+    name = "int8"
+    bits = 8
+    qmax = 127.0
+    qmin = 1.0
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        return scaled.round_().clamp_(-self.qmax, self.qmax).to(torch.int8).view(-1).view(torch.uint8)
+
+    def _dequantize(self, value_bytes: torch.Tensor, numel: int) -> torch.Tensor:
+        return value_bytes.view(torch.int8).to(torch.float32)
+
+
+class FP8Codec(BlockCodec):
+    """float8 e4m3fn with the block absmax scaled to 448 (relative error <= 2^-4 in e4m3's normal range)."""
+
+    name = "fp8"
+    bits = 8
+    qmax = 448.0
+    qmin = 2.0**-9
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        # e4m3fn has no inf: out-of-range values would become NaN, hence the clamp.
+        return scaled.clamp_(-self.qmax, self.qmax).to(torch.float8_e4m3fn).view(-1).view(torch.uint8)
+
+    def _dequantize(self, value_bytes: torch.Tensor, numel: int) -> torch.Tensor:
+        return value_bytes.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+class FP4Codec(BlockCodec):
+    """E3M0 fp4: sign bit + 3-bit exponent, magnitudes `absmax * 2^-k` (k = 0..6) or zero, two codes per byte.
+
+    A code is `sign << 3 | e`; `e = 0` is zero (always with sign 0) and `e > 0` means `2^(e - 7)` in scale units.
+    Element `2i` goes in the low nibble of byte `i`, element `2i + 1` in the high nibble.
+    """
+
+    name = "fp4"
+    bits = 4
+    qmax = 1.0
+    qmin = 2.0**-6
+    # Midpoints between neighbouring magnitudes 0, 2^-6, ..., 2^0: rounding to nearest in linear space.
+    THRESHOLDS = (2.0**-7,) + tuple(0.75 * 2.0**-k for k in range(5, -1, -1))
+    MAGNITUDES = (0.0,) + tuple(2.0 ** (e - 7) for e in range(1, 8))
+
+    def __init__(self, block_size: int = 128, scale_dtype: str = "fp32") -> None:
+        if block_size % 2:
+            raise ValueError(f"compression_block_size must be even for fp4 (two values per byte), got {block_size}.")
+        super().__init__(block_size, scale_dtype)
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        scaled = scaled.view(-1)
+        thresholds = torch.tensor(self.THRESHOLDS, dtype=torch.float32, device=scaled.device)
+        # right=True: a magnitude exactly on a threshold goes to the larger neighbour.
+        exponent = torch.bucketize(scaled.abs(), thresholds, right=True).to(torch.uint8)
+        sign = ((scaled < 0) & (exponent > 0)).to(torch.uint8)
+        codes = (exponent | (sign << 3)).view(-1, 2)
+        return codes[:, 0] | (codes[:, 1] << 4)
+
+    def _dequantize(self, value_bytes: torch.Tensor, numel: int) -> torch.Tensor:
+        table = torch.tensor(
+            self.MAGNITUDES + (0.0,) + tuple(-m for m in self.MAGNITUDES[1:]),
+            dtype=torch.float32,
+            device=value_bytes.device,
+        )
+        codes = torch.stack([value_bytes & 0xF, value_bytes >> 4], dim=1).view(-1)
+        return table[codes.long()]
+
+
+_CODECS: dict[str, type[BlockCodec]] = {"fp16": FP16Codec, "int8": Int8Codec, "fp8": FP8Codec, "fp4": FP4Codec}
+
+
+def make_codec(name: str, block_size: int = 128, scale_dtype: str = "fp32") -> Codec:
+    """Build the codec for `compression=name`.
+
+    Args:
+        name (`str`): one of `none`, `bf16`, `fp16`, `int8`, `fp8`, `fp4`.
+        block_size (`int`): values per absmax scale (`compression_block_size`); must be even for `fp4`.
+        scale_dtype (`str`): `fp32` or `bf16`, the dtype of the stored scales (`compression_scale_dtype`).
+
+    Raises:
+        `ValueError` naming the offending field (`compression`, `compression_block_size`,
+        `compression_scale_dtype`).
+    """
+    if name not in COMPRESSIONS:
+        raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}; got {name!r}.")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"compression_block_size must be a positive integer, got {block_size!r}.")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise ValueError(f"compression_scale_dtype must be one of {', '.join(_SCALE_DTYPES)}; got {scale_dtype!r}.")
+    if name == "none":
+        return Codec()
+    if name == "bf16":
+        return BF16Codec()
+    return _CODECS[name](block_size, scale_dtype)
+
+
+def quantization_residual(codec: Codec, values: torch.Tensor) -> torch.Tensor:
+    """What `codec` drops from `values`: `values - decode(encode(values))`, in fp32 (for error feedback)."""
+    values = values.detach().to(torch.float32)
+    return values - codec.decode(codec.encode(values), values.numel())
