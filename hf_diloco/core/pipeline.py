@@ -490,6 +490,8 @@ class PipelineRunner:
     def _run(self, batch: Mapping[str, torch.Tensor], num_items_in_batch, train: bool) -> torch.Tensor:
         args, kwargs, labels = self._split_batch(batch)
         loss_kwargs = {"divisor": self._divisor(labels, num_items_in_batch)}
+        if self.num_stages == 1:
+            return self._run_unsplit(args[0], kwargs, labels, loss_kwargs["divisor"], train)
         schedule = self._schedule(train, tuple(batch["input_ids"].shape))
         losses: list[torch.Tensor] = []
         target = labels if self.is_last else None
@@ -497,6 +499,19 @@ class PipelineRunner:
         run(*args, target=target, losses=losses, loss_kwargs=loss_kwargs, **kwargs)
         loss = torch.stack([x.detach().float() for x in losses]).sum() if self.is_last else torch.zeros(())
         return self._broadcast_loss(loss)
+
+    def _run_unsplit(self, input_ids, kwargs: dict, labels, divisor: float, train: bool) -> torch.Tensor:
+        """One stage: the micro-batches run one after another in this process, no schedule or communication."""
+        chunks = lambda t: torch.tensor_split(t, self.n_microbatches)  # noqa: E731
+        kwarg_chunks = {k: chunks(v) for k, v in kwargs.items()}
+        total = torch.zeros(())
+        for i, (ids, target) in enumerate(zip(chunks(input_ids), chunks(labels))):
+            logits = self.stage_module(ids, **{k: v[i] for k, v in kwarg_chunks.items()})
+            loss = causal_lm_loss(logits, target, divisor)
+            if train:
+                loss.backward()
+            total = total + loss.detach().float().cpu()
+        return total
 
     def _broadcast_loss(self, loss: torch.Tensor) -> torch.Tensor:
         if self.num_stages == 1:

@@ -1,0 +1,293 @@
+"""Pipeline stages of HF decoders (`hf_diloco.core.pipeline`) against the unsplit Hugging Face model.
+
+Single-process tests chain the stages by hand; distributed tests run real gloo processes (one per stage, and a 2 x 2
+stages x data-parallel grid) and compare every rank against an unsplit reference model trained in the same process
+with plain torch (`model(**batch).loss.backward()`, `torch.nn.utils.clip_grad_norm_`, AdamW).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from hf_diloco.core.pipeline import (
+    PipelineRunner,
+    PipelineStageModule,
+    causal_lm_loss,
+    count_loss_tokens,
+    find_decoder_parts,
+    stage_layer_ranges,
+)
+
+VOCAB, SEQ = 128, 16
+LLAMA_SIZES = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4)
+
+
+def make_model(arch: str, tied: bool = True, attn: str = "sdpa", seed: int = 0) -> nn.Module:
+    """A tiny random causal LM; dropout is 0 so a pipelined run can match the unsplit one."""
+    builders = {
+        "llama": lambda: LlamaForCausalLM(
+            LlamaConfig(vocab_size=VOCAB, num_key_value_heads=2, tie_word_embeddings=tied, **LLAMA_SIZES)
+        ),
+        "mistral": lambda: MistralForCausalLM(
+            MistralConfig(vocab_size=VOCAB, num_key_value_heads=2, sliding_window=4, **LLAMA_SIZES)
+        ),
+        "qwen2": lambda: Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=VOCAB, num_key_value_heads=2, use_sliding_window=True, sliding_window=4, max_window_layers=2, **LLAMA_SIZES
+            )
+        ),
+        "gpt2": lambda: GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB, n_embd=32, n_layer=4, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied,
+            )
+        ),
+        "gpt_neox": lambda: GPTNeoXForCausalLM(
+            GPTNeoXConfig(vocab_size=VOCAB, max_position_embeddings=64, tie_word_embeddings=tied, **LLAMA_SIZES)
+        ),
+        "opt": lambda: OPTForCausalLM(
+            OPTConfig(
+                vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4,
+                max_position_embeddings=64, word_embed_proj_dim=16, dropout=0.0, bos_token_id=0, eos_token_id=0,
+                pad_token_id=1,
+            )
+        ),
+    }  # fmt: skip
+    torch.manual_seed(seed)
+    model = builders[arch]()
+    model.config._attn_implementation = attn
+    return model.train()
+
+
+def padded_batch(generator: torch.Generator, batch: int = 4) -> dict[str, torch.Tensor]:
+    """Random tokens with right padding on row 0 and left padding on the last row (labels -100 on padding)."""
+    input_ids = torch.randint(0, VOCAB, (batch, SEQ), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, SEQ - 5 :] = 0
+    attention_mask[-1, :3] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+# ----------------------------------------------------------------------------------------------- single process
+
+
+def test_stage_layer_ranges_are_balanced_and_contiguous():
+    assert stage_layer_ranges(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert stage_layer_ranges(4, 4) == [range(i, i + 1) for i in range(4)]
+    assert stage_layer_ranges(4, 1) == [range(0, 4)]
+    with pytest.raises(ValueError, match="fewer than pipeline_stages=5"):
+        stage_layer_ranges(4, 5)
+
+
+def test_unsupported_models_raise_value_error():
+    with pytest.raises(ValueError, match="Cannot pipeline a Sequential"):
+        find_decoder_parts(nn.Sequential(nn.Linear(2, 2)))
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="4 decoder blocks, fewer than pipeline_stages=5"):
+        PipelineStageModule(model, find_decoder_parts(model), 0, 5)
+    with pytest.raises(ValueError, match="n_microbatches >= pipeline_stages"):
+        PipelineRunner(model, 0, 2, schedule="1f1b", n_microbatches=1)
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation='flex_attention'"):
+        PipelineStageModule(model, find_decoder_parts(model), 0, 1)
+
+
+@pytest.mark.parametrize(
+    "arch,tied,attn",
+    [
+        ("llama", False, "sdpa"),
+        ("llama", True, "eager"),
+        ("mistral", False, "sdpa"),
+        ("qwen2", False, "sdpa"),
+        ("gpt2", True, "sdpa"),
+        ("gpt_neox", False, "eager"),
+        ("opt", True, "sdpa"),
+    ],
+)
+def test_chained_stages_match_unsplit_model(arch, tied, attn):
+    """Three stages run one after another in one process give the model's loss, logits and gradients."""
+    model = make_model(arch, tied=tied, attn=attn)
+    reference = copy.deepcopy(model)
+    batch = padded_batch(torch.Generator().manual_seed(0), batch=3)
+    parts = find_decoder_parts(model)
+    assert parts.tied == tied
+    stages = [PipelineStageModule(model, parts, s, 3) for s in range(3)]
+
+    hidden = batch["input_ids"]
+    for stage in stages:
+        hidden = stage(hidden, attention_mask=batch["attention_mask"])
+    loss = causal_lm_loss(hidden, batch["labels"], count_loss_tokens(batch["labels"]))
+    loss.backward()
+    expected = reference(**batch)
+    expected.loss.backward()
+
+    torch.testing.assert_close(loss, expected.loss, rtol=0, atol=1e-5)
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(hidden[real], expected.logits[real], rtol=0, atol=1e-5)
+    stage_names = [name for stage in stages for name in stage.state_dict()]
+    assert sorted(stage_names) == sorted(reference.state_dict())
+    reference_params = dict(reference.named_parameters(remove_duplicate=False))
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=0, atol=1e-5, msg=name)
+    assert stages[-1].tied_copy_names == (("lm_head.weight",) if tied else ())
+
+
+# ------------------------------------------------------------------------------------------------- distributed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_worker(rank: int, world_size: int, port: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+
+
+def reference_step(model: nn.Module, optimizer, batches: list[dict], max_norm: float):
+    """Plain unsplit training step: the mean of the replicas' HF losses, torch's clipping, the optimizer step."""
+    losses = [model(**b).loss for b in batches]
+    torch.stack(losses).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return [loss.detach() for loss in losses], norm
+
+
+def assert_tied_copies_identical(runner: PipelineRunner, group) -> None:
+    """The first and the last stage (of a 2-stage pipeline) hold bitwise-equal copies of a tied embedding."""
+    path = runner.parts.embed_tokens if runner.is_first else runner.parts.head
+    weight = runner.stage_module.get_submodule(path).weight.detach()
+    copies = [torch.empty_like(weight) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(copies, weight, group=group)
+    assert torch.equal(copies[0], copies[-1])
+
+
+def two_stage_worker(rank: int, port: int, arch: str, tied: bool, schedule: str, save_dir: str) -> None:
+    init_worker(rank, 2, port)
+    max_norm, steps = 0.5, 3
+    model, reference = make_model(arch, tied=tied), make_model(arch, tied=tied)
+    runner = PipelineRunner(model, rank, 2, schedule=schedule, n_microbatches=2)
+    optimizer = torch.optim.AdamW(runner.stage_module.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = padded_batch(generator)
+        loss = runner.train_step(batch)
+        norm = runner.clip_grad_norm_(max_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        (ref_loss,), ref_norm = reference_step(reference, ref_optimizer, [batch], max_norm)
+        torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-5)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+        assert ref_norm > max_norm  # clipping really scaled the gradients
+
+    ref_state = reference.state_dict()
+    for name, param in runner.stage_module.named_parameters():
+        torch.testing.assert_close(param.detach(), ref_state[name], rtol=0, atol=1e-4, msg=name)
+    if tied:
+        assert_tied_copies_identical(runner, None)
+    torch.testing.assert_close(runner.eval_loss(batch), reference(**batch).loss.detach(), rtol=0, atol=1e-5)
+
+    full = runner.gather_state_dict(dst=0)
+    if rank == 0:
+        assert sorted(full) == sorted(ref_state)
+        runner_state = dict(runner.stage_module.state_dict())
+        fresh = make_model(arch, tied=tied, seed=123)
+        fresh.load_state_dict(full)
+        fresh.save_pretrained(save_dir)
+        loaded = AutoModelForCausalLM.from_pretrained(save_dir, attn_implementation="sdpa")
+        for name, tensor in loaded.state_dict().items():
+            torch.testing.assert_close(tensor, ref_state[name], rtol=0, atol=1e-4, msg=name)
+            if name in runner_state:
+                assert torch.equal(tensor, runner_state[name]), name
+    else:
+        assert full is None
+
+    # A checkpoint of a 1-stage run loads into 2 stages (the tied head may be missing, as in safetensors files).
+    single = PipelineRunner(make_model(arch, tied=tied, seed=7), 0, 1, n_microbatches=2)
+    one_stage_state = single.gather_state_dict()
+    if tied:
+        del one_stage_state["lm_head.weight"]
+    target = PipelineRunner(make_model(arch, tied=tied, seed=8), rank, 2, schedule=schedule, n_microbatches=2)
+    target.load_stage_state(one_stage_state)
+    embedding = f"{target.parts.embed_tokens}.weight"
+    for name, tensor in target.stage_module.state_dict().items():
+        assert torch.equal(tensor, one_stage_state[name if name in one_stage_state else embedding]), name
+    expected = single.eval_loss(batch)
+    torch.testing.assert_close(target.eval_loss(batch), expected, rtol=0, atol=1e-5)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "arch,tied,schedule", [("llama", False, "1f1b"), ("llama", True, "gpipe"), ("gpt2", True, "1f1b")]
+)
+def test_two_stages_match_unsplit_training(arch, tied, schedule, tmp_path):
+    """2 stages vs no pipeline: same losses on both ranks, same clipped norm, parameters within 1e-4 after AdamW
+    steps on padded batches; the gathered state saves and reloads as a normal HF folder; 1-stage state loads into 2
+    stages."""
+    mp.spawn(two_stage_worker, args=(free_port(), arch, tied, schedule, str(tmp_path)), nprocs=2)
+
+
+def stage_by_data_parallel_worker(rank: int, port: int) -> None:
+    """World of 4 = 2 data-parallel replicas x 2 stages (rank = dp * 2 + stage), as `core/topology.py` lays it out."""
+    init_worker(rank, 4, port)
+    stage, replica = rank % 2, rank // 2
+    pipeline_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model, reference = make_model("llama", tied=True), make_model("llama", tied=True)
+    runner = PipelineRunner(
+        model, stage, 2, pipeline_groups[replica], "1f1b", n_microbatches=2, data_parallel_group=dp_groups[stage]
+    )
+    optimizer = torch.optim.AdamW(runner.stage_module.parameters(), lr=1e-2)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        batch = padded_batch(generator)
+        halves = [{k: v[2 * r : 2 * r + 2] for k, v in batch.items()} for r in range(2)]
+        loss = runner.train_step(halves[replica])
+        norm = runner.clip_grad_norm_(1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_losses, ref_norm = reference_step(reference, ref_optimizer, halves, 1.0)
+        torch.testing.assert_close(loss, ref_losses[replica], rtol=0, atol=1e-5)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6)
+    ref_state = reference.state_dict()
+    for name, param in runner.stage_module.named_parameters():
+        torch.testing.assert_close(param.detach(), ref_state[name], rtol=0, atol=1e-4, msg=name)
+    assert_tied_copies_identical(runner, pipeline_groups[replica])
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(240)
+def test_pipeline_composes_with_data_parallel():
+    mp.spawn(stage_by_data_parallel_worker, args=(free_port(),), nprocs=4)
