@@ -1,0 +1,260 @@
+"""Model cards for models trained with hf_diloco.
+
+`render_model_card` fills `hf_diloco/model_cards/diloco_model_card.md` (a `string.Template`) with the DiLoCo
+settings, the data and the communication the run measured, next to what plain data-parallel training would have
+sent; `write_model_card` saves it as the folder's `README.md`. The YAML front matter comes from
+`huggingface_hub.ModelCardData` and carries the `diloco` tag. Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+TEMPLATE_NAME = "diloco_model_card.md"
+DILOCO_TAG = "diloco"
+FP32_BYTES = 4
+REQUIRED_SETTINGS = (
+    "inner_steps",
+    "num_fragments",
+    "sync_delay",
+    "merge_alpha",
+    "compression",
+    "overlap",
+    "pipeline_stages",
+    "data_parallel_per_worker",
+)
+NOT_RECORDED = "not recorded"
+
+
+def template_text() -> str:
+    """The model card template shipped inside the package."""
+    return resources.files("hf_diloco").joinpath("model_cards", TEMPLATE_NAME).read_text(encoding="utf-8")
+
+
+def ddp_allreduce_bytes(num_parameters: int, num_workers: int, steps: int) -> int:
+    """
+    Bytes one process sends in a ring all-reduce of fp32 gradients across `num_workers`, after each of `steps` steps.
+
+    A ring all-reduce (reduce-scatter then all-gather) of N bytes over M peers sends 2 (M - 1) / M * N bytes per peer.
+    """
+    return round(steps * 2 * (num_workers - 1) / num_workers * num_parameters * FP32_BYTES)
+
+
+def communication_summary(communication: Mapping[str, Any], num_workers: int) -> dict[str, float | None]:
+    """
+    Compare the bytes a run sent with what DDP would have sent for the same steps.
+
+    Args:
+        communication (`Mapping[str, Any]`):
+            `bytes_sent` (bytes one process sent across workers for the outer sync), and optionally `steps`
+            (inner optimizer steps), `num_parameters` (parameters that process exchanges), `outer_steps` and
+            `sync_wait_seconds`.
+        num_workers (`int`): M, the number of workers.
+
+    Returns:
+        `dict`: `bytes_sent`, `ddp_bytes` (None without `steps` and `num_parameters`), `ratio` (this run / DDP) and
+        `reduction` (DDP / this run); a ratio is None where it is undefined (one worker, or nothing sent).
+    """
+    bytes_sent = int(communication["bytes_sent"])
+    steps, num_parameters = communication.get("steps"), communication.get("num_parameters")
+    ddp_bytes = None
+    if steps is not None and num_parameters is not None:
+        ddp_bytes = ddp_allreduce_bytes(int(num_parameters), num_workers, int(steps))
+    ratio = bytes_sent / ddp_bytes if ddp_bytes else None
+    reduction = ddp_bytes / bytes_sent if ddp_bytes and bytes_sent else None
+    return {"bytes_sent": bytes_sent, "ddp_bytes": ddp_bytes, "ratio": ratio, "reduction": reduction}
+
+
+def render_model_card(
+    settings: Mapping[str, Any],
+    communication: Mapping[str, Any],
+    data_description: str,
+    base_model: str | None = None,
+    training_results: Mapping[str, Any] | None = None,
+    *,
+    model_name: str | None = None,
+    repo_id: str | None = None,
+    extra_tags: Sequence[str] = (),
+    datasets: Sequence[str] | None = None,
+) -> str:
+    """
+    Render the model card of a model trained with DiLoCo.
+
+    Args:
+        settings (`Mapping[str, Any]`):
+            The DiLoCo fields (`DiLoCoConfig.diloco_dict()`): at least `inner_steps`, `num_fragments`, `sync_delay`,
+            `merge_alpha`, `compression`, `overlap`, `pipeline_stages`, `data_parallel_per_worker`, plus
+            `num_workers` (M) unless `communication` has it.
+        communication (`Mapping[str, Any]`):
+            What the run measured, see [`communication_summary`]; may also hold `num_workers`.
+        data_description (`str`): what the model was trained on, in a sentence or a paragraph (Markdown).
+        base_model (`str`, *optional*): the checkpoint training started from; `None` for a random initialisation.
+        training_results (`Mapping[str, Any]`, *optional*): final metrics, e.g. `{"eval_loss": 3.1}`.
+        model_name (`str`, *optional*): title of the card; defaults to the last part of `repo_id`.
+        repo_id (`str`, *optional*): Hub id shown in the usage snippet.
+        extra_tags (`Sequence[str]`, *optional*): tags added after the DiLoCo ones.
+        datasets (`Sequence[str]`, *optional*): Hub dataset ids for the front matter.
+
+    Returns:
+        `str`: the card, YAML front matter included.
+    """
+    missing = [key for key in REQUIRED_SETTINGS if key not in settings]
+    if missing:
+        raise ValueError(f"settings is missing {', '.join(missing)} (pass DiLoCoConfig.diloco_dict()).")
+    num_workers = settings.get("num_workers", communication.get("num_workers"))
+    if num_workers is None:
+        raise ValueError("num_workers must be given in settings or communication.")
+    num_workers = int(num_workers)
+    if "bytes_sent" not in communication:
+        raise ValueError("communication must contain bytes_sent (the run's cross-worker bytes per process).")
+    summary = communication_summary(communication, num_workers)
+    if model_name is None:
+        model_name = repo_id.split("/")[-1] if repo_id else "DiLoCo model"
+
+    values = {
+        "front_matter": _front_matter(settings, base_model, extra_tags, datasets),
+        "model_name": model_name,
+        "algorithm": _algorithm_name(settings),
+        "trained_from": f"initialised from `{base_model}`" if base_model else "trained from a random initialisation",
+        "num_workers": num_workers,
+        "inner_steps": settings["inner_steps"],
+        "num_fragments": settings["num_fragments"],
+        "fragment_pattern": settings.get("fragment_pattern", NOT_RECORDED),
+        "sync_delay": settings["sync_delay"],
+        "merge_alpha": _number(settings["merge_alpha"]),
+        "overlap": settings["overlap"],
+        "outer_optimizer": _outer_optimizer(settings),
+        "compression": _compression(settings),
+        "pipeline_stages": settings["pipeline_stages"],
+        "data_parallel_per_worker": settings["data_parallel_per_worker"],
+        "world_size": num_workers * int(settings["pipeline_stages"]) * int(settings["data_parallel_per_worker"]),
+        "data_description": data_description.strip() or NOT_RECORDED,
+        "steps": _optional_int(communication.get("steps")),
+        "outer_steps": _optional_int(communication.get("outer_steps")),
+        "num_parameters": _optional_int(communication.get("num_parameters")),
+        "bytes_sent": _bytes(summary["bytes_sent"]),
+        "ddp_bytes": _bytes(summary["ddp_bytes"]),
+        "bytes_ratio": _ratio(summary["ratio"], num_workers, summary["ddp_bytes"]),
+        "reduction": f"{summary['reduction']:,.1f}x" if summary["reduction"] else "n/a",
+        "sync_wait": _seconds(communication.get("sync_wait_seconds")),
+        "training_results": _results_table(training_results),
+        "repo_hint": repo_id or "path/to/this/model",
+    }
+    return string.Template(template_text()).substitute(values)
+
+
+def write_model_card(folder: str | Path, **kwargs: Any) -> Path:
+    """Render the card (same arguments as [`render_model_card`]) and write it as `folder/README.md`."""
+    path = Path(folder) / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_model_card(**kwargs), encoding="utf-8")
+    return path
+
+
+def has_diloco_tag(readme: str | Path) -> bool:
+    """Whether a `README.md` exists and its YAML front matter lists the `diloco` tag."""
+    path = Path(readme)
+    if not path.is_file():
+        return False
+    tags = ModelCard.load(path, ignore_metadata_errors=True).data.tags or []
+    return DILOCO_TAG in tags
+
+
+def _front_matter(
+    settings: Mapping[str, Any], base_model: str | None, extra_tags: Sequence[str], datasets: Sequence[str] | None
+) -> str:
+    tags = [DILOCO_TAG, "hf_diloco"]
+    if int(settings["num_fragments"]) > 1 or int(settings["sync_delay"]) > 0:
+        tags.append("streaming-diloco")
+    if settings["overlap"] in ("delayed", "eager"):
+        tags.append(f"diloco-{settings['overlap']}-overlap")
+    tags += [tag for tag in extra_tags if tag not in tags]
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+        base_model=base_model,
+        datasets=list(datasets) if datasets else None,
+    )
+    return data.to_yaml()
+
+
+def _algorithm_name(settings: Mapping[str, Any]) -> str:
+    if settings["overlap"] == "delayed":
+        return "DiLoCo with one-step delayed overlap (DiLoCoX)"
+    if settings["overlap"] == "eager":
+        return "DiLoCo with eager overlapped updates"
+    if int(settings["num_fragments"]) > 1 or int(settings["sync_delay"]) > 0:
+        return "Streaming DiLoCo"
+    return "DiLoCo"
+
+
+def _outer_optimizer(settings: Mapping[str, Any]) -> str:
+    if "outer_lr" not in settings:
+        return NOT_RECORDED
+    nesterov = ", Nesterov" if settings.get("outer_nesterov", True) else ""
+    return f"SGD (lr {_number(settings['outer_lr'])}, momentum {_number(settings.get('outer_momentum', 0))}{nesterov})"
+
+
+def _compression(settings: Mapping[str, Any]) -> str:
+    codec = settings["compression"]
+    if codec == "none":
+        return "none (fp32)"
+    details = []
+    if "compression_block_size" in settings:
+        details.append(f"{settings['compression_block_size']} values per scale block")
+    if "compression_scale_dtype" in settings:
+        details.append(f"{settings['compression_scale_dtype']} scales")
+    if "error_feedback" in settings:
+        details.append(f"error feedback {'on' if settings['error_feedback'] else 'off'}")
+    return f"{codec} ({', '.join(details)})" if details else codec
+
+
+def _results_table(results: Mapping[str, Any] | None) -> str:
+    if not results:
+        return "Not recorded."
+    rows = [f"| {key} | {_number(value)} |" for key, value in results.items()]
+    return "\n".join(["| Metric | Value |", "| --- | --- |", *rows])
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    return f"{value:.6g}" if math.isfinite(value) else str(value)
+
+
+def _optional_int(value: Any) -> str:
+    return NOT_RECORDED if value is None else f"{int(value):,}"
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return NOT_RECORDED
+    scaled, unit = float(value), "B"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if abs(scaled) < 1000 or unit == "PB":
+            break
+        scaled /= 1000
+    human = f"{int(value)} B" if unit == "B" else f"{scaled:.2f} {unit}"
+    return f"{human} ({int(value):,} bytes)"
+
+
+def _ratio(ratio: float | None, num_workers: int, ddp_bytes: float | None) -> str:
+    if ratio is not None:
+        return f"{ratio:.4g} ({100 * ratio:.3g}%)"
+    if num_workers == 1:
+        return "n/a (one worker: DDP would send nothing across workers)"
+    return "n/a" if ddp_bytes is not None else NOT_RECORDED
+
+
+def _seconds(value: Any) -> str:
+    return NOT_RECORDED if value is None else f"{float(value):.2f} s"
