@@ -28,7 +28,7 @@ def _train_engine(rank: int, world: int, cases: list[dict]) -> list[dict]:
         engine.exchange.inline_when_blocking = inline
         if delays:
             rng = random.Random(rank)
-            engine.exchange.delay_seconds = lambda: rng.uniform(0, 0.02)
+            engine.exchange.delay_seconds = lambda rng=rng: rng.uniform(0, 0.02)
         for t in range(1, steps + 1):
             inner_step(model, optimizer, rank, t)
             engine.step()

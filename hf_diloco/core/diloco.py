@@ -130,7 +130,7 @@ class DiLoCo:
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 θg by parameter name (views of the flat per-fragment buffers)."""
         out: dict[str, torch.Tensor] = {}
-        for fragment, names in enumerate(self._fragments):
+        for fragment in range(len(self._fragments)):
             out.update(self._unflatten(fragment, self._global[fragment]))
         return out
 
