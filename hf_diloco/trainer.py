@@ -1,0 +1,375 @@
+"""`DiLoCoTrainingArguments` + `DiLoCoTrainer`: DiLoCo as a drop-in for `TrainingArguments` / `Trainer`.
+
+The Trainer keeps doing what it does (data, inner AdamW and LR schedule, logging, checkpoints); this module only
+makes sure that nothing it does crosses workers between outer syncs, and hands every real inner optimizer step to the
+`DiLoCo` engine (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming DiLoCo, arXiv 2501.18512).
+
+The default process group stays the whole world, so the Trainer's rank-based file names, `should_save` on global
+rank 0 and Accelerate's data sharding by world rank keep working (with `pipeline_stages == 1` world-rank sharding
+gives every (worker, data-parallel replica) pair its own shard). What changes:
+
+- DDP runs over the worker's data-parallel group only, and not at all when a worker is one process.
+- The token count of `average_tokens_across_devices`, the logged loss and `num_input_tokens_seen` are summed or
+  averaged inside the worker; `total_flos` is estimated without a collective.
+- Evaluation and saving use the global parameters theta_g; each rank writes its DiLoCo state next to the Trainer's
+  checkpoint files, and resuming restores it so training continues bitwise as if it had never stopped.
+
+Deliberate global points (collectives over the world are allowed there): start (process groups, the engine's
+initial broadcast and config check), evaluation (the Trainer's usual gathers of predictions and losses, on theta_g,
+which is identical on every rank) and saving when the best metric is tracked (the Trainer's barrier).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.utils import logging
+
+from .config import DiLoCoConfig
+from .core.diloco import DiLoCo
+from .core.topology import Topology
+
+logger = logging.get_logger(__name__)
+
+DILOCO_STATE_NAME = "diloco_state_rank{rank}.pt"
+
+
+@dataclass(repr=False)
+class DiLoCoTrainingArguments(TrainingArguments, DiLoCoConfig):
+    """
+    [`~transformers.TrainingArguments`] that also take every [`DiLoCoConfig`] field by name, as keyword arguments and
+    on the command line through [`~transformers.HfArgumentParser`] (each field is defined once, in `DiLoCoConfig`).
+
+    Parameters:
+        All of [`~transformers.TrainingArguments`] and all of [`DiLoCoConfig`] (`inner_steps`, `outer_lr`,
+        `outer_momentum`, `num_fragments`, `sync_delay`, `compression`, `data_parallel_per_worker`, ...).
+
+    Differences from `TrainingArguments`:
+        - DiLoCo fields are validated first, before any device or process group is set up, and a bad value raises a
+          `ValueError` naming the field.
+        - `average_tokens_across_devices` averages the token count over the processes of one worker only (the
+          processes whose gradients DDP averages); workers never exchange it.
+        - `accelerator_config.dispatch_batches` defaults to `False` (dispatching would broadcast every batch from
+          rank 0 across workers) and `True` is refused; `accelerator_config.use_seedable_sampler=False` is refused
+          (Accelerate would broadcast the sampler's seed across workers at every epoch).
+    """
+
+    def __post_init__(self) -> None:
+        DiLoCoConfig.validate_diloco(self)
+        super().__post_init__()
+        self._check_accelerator_config()
+
+    def _check_accelerator_config(self) -> None:
+        config = self.accelerator_config
+        if config.dispatch_batches is None:
+            config.dispatch_batches = False
+        elif config.dispatch_batches:
+            raise ValueError(
+                "accelerator_config.dispatch_batches=True makes rank 0 read every batch and broadcast it to all ranks, "
+                "a collective across workers at every step. DiLoCo needs every rank to read its own shard: leave it "
+                "unset or False."
+            )
+        if not config.use_seedable_sampler:
+            raise ValueError(
+                "accelerator_config.use_seedable_sampler=False makes Accelerate broadcast the sampler's random state "
+                "across all ranks at every epoch. DiLoCo needs the seedable sampler (the default): set it to True."
+            )
+
+    def diloco_config(self) -> DiLoCoConfig:
+        """The DiLoCo fields as a plain [`DiLoCoConfig`]."""
+        return DiLoCoConfig(**self.diloco_dict())
+
+
+@dataclass
+class _WorkerDDPKwargs(DistributedDataParallelKwargs):
+    """Accelerate's DDP kwargs plus the process group DDP averages gradients over (the worker's, not the world)."""
+
+    process_group: Any = None
+
+    def to_dict(self, ignore_keys: tuple[str, ...] = ("comm_hook", "comm_wrapper", "comm_state_option")) -> dict:
+        # The parent deep-copies every field; a ProcessGroup cannot be copied, and must not be.
+        group = self.__dict__.pop("process_group")
+        try:
+            values = super().to_dict(ignore_keys)
+        finally:
+            self.__dict__["process_group"] = group
+        values["process_group"] = group
+        return values
+
+
+class _DiLoCoStepCallback(TrainerCallback):
+    """Hands every inner optimizer step that really happened to the engine."""
+
+    def __init__(self, trainer: DiLoCoTrainer):
+        self._trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self._trainer._diloco_step()
+
+
+class DiLoCoTrainer(Trainer):
+    """
+    A [`~transformers.Trainer`] that trains with DiLoCo: every worker runs the Trainer's own inner optimizer and LR
+    schedule on its shard of the data, and the `DiLoCo` engine averages the workers' progress every `inner_steps`
+    steps. Takes exactly the arguments of `Trainer`; `args` must be a [`DiLoCoTrainingArguments`].
+
+    Attributes:
+        diloco (`DiLoCo` or `None`): the engine of the current (or last) `train()` call.
+        diloco_topology (`Topology`): this rank's worker, data-parallel index and process groups.
+
+    Notes:
+        - The model that `evaluate`, `predict`, `save_model` and checkpoints see is the global model theta_g; after
+          `train()`, `trainer.model` holds theta_g.
+        - Checkpoints hold, besides the Trainer's files, `diloco_state_rank{rank}.pt` per rank: the engine state
+          (theta_g, outer optimizer, this rank's local parameters and inner optimizer, exchanges in flight), buffers
+          and grad scaler. Workers differ in all the local parts, and the Trainer's own `optimizer.pt` is rank 0's.
+          Resuming needs the same number of processes.
+        - Logged `loss` is the worker's loss (averaged over its data-parallel processes), `num_input_tokens_seen`
+          counts the worker's tokens, and `diloco/*` metrics come from the engine.
+    """
+
+    def __init__(self, model: nn.Module | None = None, args: DiLoCoTrainingArguments | None = None, *pos, **kwargs):
+        if args is None:
+            args = DiLoCoTrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, DiLoCoTrainingArguments):
+            raise TypeError(
+                f"DiLoCoTrainer needs DiLoCoTrainingArguments, got {type(args).__name__}: build them with the same "
+                "keywords plus the DiLoCo fields."
+            )
+        if args.pipeline_stages != 1:
+            raise ValueError(
+                f"pipeline_stages={args.pipeline_stages}: DiLoCoTrainer trains one full model replica per process "
+                "(data_parallel_per_worker processes per worker); use pipeline_stages=1."
+            )
+        self.diloco: DiLoCo | None = None
+        self.diloco_topology: Topology | None = None
+        super().__init__(model, args, *pos, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "DiLoCoTrainer needs full parameters on every process: DeepSpeed and FSDP are not supported."
+            )
+        self.add_callback(_DiLoCoStepCallback(self))
+
+    # ---- process groups and model wrapping ----
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # Accelerate passes `ddp_handler.to_kwargs()` to DistributedDataParallel: add the worker's group to it.
+        handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
+        values = {f.name: getattr(handler, f.name) for f in fields(handler)}
+        group = self._get_topology().data_parallel_group
+        self.accelerator.ddp_handler = _WorkerDDPKwargs(**values, process_group=group)
+
+    def _get_topology(self) -> Topology:
+        if self.diloco_topology is None:
+            _ = self.args.device  # initializes the default process group when launched distributed
+            self.diloco_topology = Topology.from_default_group(
+                pipeline_stages=self.args.pipeline_stages,
+                data_parallel_per_worker=self.args.data_parallel_per_worker,
+                timeout_seconds=self.args.sync_timeout_seconds,
+            )
+        return self.diloco_topology
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) is model
+        if training and unwrapped and self._worker_is_one_process():
+            # A one-process worker has nobody to average gradients with: Accelerate's evaluation mode applies
+            # mixed precision, device placement and compilation without the DDP wrap, and marks the model prepared
+            # so the Trainer's `accelerator.prepare(model, optimizer)` keeps it as is.
+            return self.accelerator.prepare_model(model, evaluation_mode=True)
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _worker_is_one_process(self) -> bool:
+        return (
+            self.accelerator.distributed_type != DistributedType.NO
+            and self._get_topology().data_parallel_group is None
+        )
+
+    # ---- engine lifecycle ----
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self.diloco is not None:
+            self.diloco.close()
+        self.diloco = DiLoCo(self.model, self.optimizer, self.args.diloco_config(), topology=self._get_topology())
+        if resume_from_checkpoint is not None:
+            self._load_diloco_state(resume_from_checkpoint)
+        return model, train_dataloader
+
+    def _diloco_step(self) -> None:
+        if self.diloco is not None and not self.accelerator.optimizer_step_was_skipped:
+            self.diloco.step()
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        if self.diloco is not None:
+            self.diloco.close()
+            self._copy_global_parameters_into_model()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    @torch.no_grad()
+    def _copy_global_parameters_into_model(self) -> None:
+        params = dict(self.model.named_parameters())
+        for name, value in self.diloco.global_parameters().items():
+            params[name].copy_(value)
+
+    def _global_weights(self) -> contextlib.AbstractContextManager:
+        return self.diloco.global_weights() if self.diloco is not None else contextlib.nullcontext()
+
+    # ---- evaluation and saving use theta_g ----
+
+    def evaluate(self, *args, **kwargs) -> dict[str, float]:
+        with self._global_weights():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        with self._global_weights():
+            return super().predict(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        context = self._global_weights() if self.args.should_save else contextlib.nullcontext()
+        with context:
+            super().save_model(output_dir, _internal_call=_internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.diloco is None:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        scaler = getattr(self.accelerator, "scaler", None)
+        state = {
+            "engine": self.diloco.state_dict(),  # theta_g, this rank's parameters, outer and inner optimizer
+            "buffers": {k: v.detach().cpu().clone() for k, v in self.model.named_buffers()},
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "world_size": self.args.world_size,
+        }
+        torch.save(state, os.path.join(output_dir, DILOCO_STATE_NAME.format(rank=self.args.process_index)))
+
+    def _load_diloco_state(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, DILOCO_STATE_NAME.format(rank=self.args.process_index))
+        if not os.path.isfile(path):
+            if any(name.startswith("diloco_state_rank") for name in os.listdir(checkpoint)):
+                raise FileNotFoundError(
+                    f"{path} is missing: the checkpoint was written by a run with a different number of processes "
+                    f"(this run has {self.args.world_size}); resume with the same number."
+                )
+            logger.warning(f"{checkpoint} has no DiLoCo state: starting the outer loop afresh from its weights.")
+            return
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["world_size"] != self.args.world_size:
+            raise ValueError(
+                f"{checkpoint} was written by {state['world_size']} processes, this run has {self.args.world_size}."
+            )
+        self.diloco.load_state_dict(state["engine"])
+        with torch.no_grad():
+            for name, buffer in self.model.named_buffers():
+                buffer.copy_(state["buffers"][name])
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(state["scaler"])
+
+    # ---- keep every per-step collective inside the worker ----
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
+        with self._gather_within_worker():
+            return super()._get_num_items_in_batch(batch_samples, device)
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        with self._gather_within_worker():
+            super()._track_num_input_tokens(inputs)
+
+    @contextlib.contextmanager
+    def _gather_within_worker(self) -> Iterator[None]:
+        # The Trainer's per-step counts call `accelerator.gather` over the world; route them to the worker's group.
+        self.accelerator.gather = self._worker_gather
+        try:
+            yield
+        finally:
+            del self.accelerator.gather
+
+    def _worker_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        group = self._get_topology().data_parallel_group
+        if group is None:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        # With the token count summed over the worker, DDP's gradient mean must be undone by the worker's size, not
+        # the world's (which the Trainer would use).
+        rescale = (
+            self.args.average_tokens_across_devices
+            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+            and num_items_in_batch is not None
+        )
+        with _attribute(self.args, "average_tokens_across_devices", False):
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        scale = self._get_topology().data_parallel_size
+        if not rescale or scale == 1:
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return loss * scale, outputs
+        return result * scale
+
+    def _maybe_log_save_evaluate(
+        self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, **kw
+    ):
+        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+            # Logged here, inside the worker; the Trainer's version would all-gather the loss over the world. It then
+            # sees nothing new to log and only evaluates and saves.
+            self._log_within_worker(tr_loss, grad_norm, start_time, kw.get("learning_rate"))
+        super()._maybe_log_save_evaluate(
+            tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, **kw
+        )
+
+    def _log_within_worker(self, tr_loss: torch.Tensor, grad_norm: Any, start_time: float, lr: float | None) -> None:
+        loss = tr_loss.detach().clone()
+        group = self._get_topology().data_parallel_group
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+            loss /= dist.get_world_size(group)
+        loss_scalar = loss.item()
+        tr_loss -= tr_loss
+        logs: dict[str, float] = {"loss": loss_scalar / (self.state.global_step - self._globalstep_last_logged)}
+        if grad_norm is not None:
+            logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+        logs["learning_rate"] = lr if lr is not None else self._get_learning_rate()
+        if self.diloco is not None:
+            logs.update(self.diloco.metrics())
+        self._total_loss_scalar += loss_scalar
+        self._globalstep_last_logged = self.state.global_step
+        self.store_flos()
+        self.log(logs, start_time)
+
+    def store_flos(self) -> None:
+        # The Trainer sums FLOs over the world with a collective at every log and save. Every process runs the same
+        # batch shapes, so this rank's FLOs times the world size is the total, without talking to other workers.
+        self.state.total_flos += self.current_flos * self.args.world_size
+        self.current_flos = 0
+
+
+@contextlib.contextmanager
+def _attribute(obj: Any, name: str, value: Any) -> Iterator[None]:
+    previous = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, previous)
