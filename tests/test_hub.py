@@ -1,0 +1,165 @@
+"""The Hub upload path, against a local HTTP server that answers the endpoints `huggingface_hub` calls."""
+
+import base64
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import save_file
+
+from hf_diloco.config import DiLoCoConfig
+from hf_diloco.hub import ensure_model_card, push_folder_to_hub
+from hf_diloco.model_card import write_model_card
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """Just enough of the Hub API for `create_repo` + `upload_folder` with small (regular, base64) files."""
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        hub = self.server.hub
+        hub["requests"].append((self.command, self.path, dict(self.headers)))
+        path = self.path.split("?")[0]
+        if path == "/api/repos/create":
+            payload = json.loads(body)
+            hub["created"].append(payload)
+            return self._json({"url": f"{hub['endpoint']}/{payload['organization']}/{payload['name']}"})
+        if path == "/api/validate-yaml":
+            # The real Hub checks the card's metadata before anything is hashed; a YAML parse is our stand-in.
+            content = json.loads(body)["content"]
+            hub["validated"].append(content)
+            try:
+                yaml.safe_load(content.split("---\n")[1])
+            except yaml.YAMLError as error:
+                return self._json({"errors": [{"message": str(error)}]}, status=400)
+            return self._json({"errors": [], "warnings": []})
+        if "/preupload/" in path:
+            files = json.loads(body)["files"]
+            return self._json(
+                {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+            )
+        if "/commit/" in path:
+            lines = [json.loads(line) for line in body.decode().splitlines() if line]
+            hub["commits"].append({"path": path, "content_type": self.headers["Content-Type"], "lines": lines})
+            repo_id = path.split("/api/models/")[1].split("/commit/")[0]
+            oid = "0123abcd" * 5
+            return self._json({"commitUrl": f"{hub['endpoint']}/{repo_id}/commit/{oid}", "commitOid": oid})
+        self.send_error(404, f"fake hub does not serve {path}")
+
+    def _json(self, payload, status=200):
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(autouse=True)
+def loopback_only(monkeypatch):
+    """Refuse every connection that is not to the local fake Hub."""
+    connect = socket.socket.connect
+
+    def guarded(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] != "127.0.0.1":
+            raise OSError(f"test tried to reach {address}")
+        return connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+@pytest.fixture
+def fake_hub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    server.hub = {"endpoint": endpoint, "requests": [], "created": [], "commits": [], "validated": []}
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.hub
+    server.shutdown()
+    server.server_close()
+
+
+def _model_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "global_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 32}))
+    save_file(
+        {"model.embed_tokens.weight": torch.arange(24, dtype=torch.float32).reshape(6, 4)},
+        folder / "model.safetensors",
+    )
+    return folder
+
+
+def _card_kwargs() -> dict:
+    settings = DiLoCoConfig(inner_steps=8).diloco_dict()
+    settings["num_workers"] = 2
+    communication = {"bytes_sent": 4096, "steps": 16, "num_parameters": 1000}
+    return {"settings": settings, "communication": communication, "data_description": "tiny", "base_model": None}
+
+
+def test_push_uploads_weights_config_and_card(tmp_path, fake_hub):
+    folder = _model_folder(tmp_path)
+    info = push_folder_to_hub(
+        folder,
+        "someone/tiny-diloco",
+        token="hf_fake_token",
+        endpoint=fake_hub["endpoint"],
+        private=True,
+        model_card=_card_kwargs(),
+    )
+    assert info.oid == "0123abcd" * 5
+    assert fake_hub["created"] == [
+        {"name": "tiny-diloco", "organization": "someone", "visibility": "private", "type": "model"}
+    ]
+    assert all(headers.get("authorization") == "Bearer hf_fake_token" for _, _, headers in fake_hub["requests"])
+
+    [commit] = fake_hub["commits"]
+    assert commit["path"] == "/api/models/someone/tiny-diloco/commit/main"
+    assert commit["content_type"] == "application/x-ndjson"
+    header, *operations = commit["lines"]
+    assert header == {"key": "header", "value": {"summary": "Upload DiLoCo-trained model", "description": ""}}
+    uploaded = {}
+    for op in operations:
+        assert op["key"] == "file" and op["value"]["encoding"] == "base64"
+        uploaded[op["value"]["path"]] = base64.b64decode(op["value"]["content"])
+    assert set(uploaded) == {"config.json", "model.safetensors", "README.md"}
+    for name in ("config.json", "model.safetensors", "README.md"):
+        assert uploaded[name] == (folder / name).read_bytes()
+
+    card = uploaded["README.md"].decode()
+    assert fake_hub["validated"] == [card]
+    front = yaml.safe_load(card.split("---\n")[1])
+    assert "diloco" in front["tags"] and front["library_name"] == "transformers"
+
+
+def test_push_refuses_folder_without_card(tmp_path, fake_hub):
+    folder = _model_folder(tmp_path)
+    with pytest.raises(ValueError, match="README.md"):
+        push_folder_to_hub(folder, "someone/x", token="t", endpoint=fake_hub["endpoint"])
+    assert fake_hub["requests"] == []
+
+
+def test_existing_card_keeps_text_and_gains_tag(tmp_path):
+    folder = _model_folder(tmp_path)
+    (folder / "README.md").write_text("---\nlicense: mit\ntags:\n- llama\n---\n\n# My words\n")
+    readme = ensure_model_card(folder)
+    text = readme.read_text()
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert front["tags"] == ["llama", "diloco"] and front["license"] == "mit"
+    assert "# My words" in text
+
+    write_model_card(folder, **_card_kwargs())
+    before = (folder / "README.md").read_bytes()
+    ensure_model_card(folder)
+    assert (folder / "README.md").read_bytes() == before
