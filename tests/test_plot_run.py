@@ -1,0 +1,96 @@
+"""scripts/plot_run.py on synthetic trainer_state.json files."""
+
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plot_run.py"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def plot_run():
+    spec = importlib.util.spec_from_file_location("plot_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _history(with_tokens: bool, with_diloco: bool = True) -> list[dict]:
+    history = []
+    for step in range(10, 101, 10):
+        entry = {"step": step, "epoch": step / 100, "loss": 5.0 - step / 50, "learning_rate": 1e-3}
+        if with_tokens:
+            entry["num_input_tokens_seen"] = step * 512
+        if with_diloco:
+            entry.update(
+                {
+                    "diloco/bytes_sent": (step // 20) * 4_000_000,
+                    "diloco/sync_wait_seconds": 0.01 * step,
+                    "diloco/outer_steps": step // 20,
+                }
+            )
+        history.append(entry)
+        if step % 50 == 0:
+            history.append({"step": step, "epoch": step / 100, "eval_loss": 4.5 - step / 100})
+    return history
+
+
+def _write_state(folder: Path, history: list[dict]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "trainer_state.json"
+    path.write_text(json.dumps({"global_step": 100, "log_history": history}))
+    return path
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_main_writes_three_pngs(tmp_path, plot_run, capsys):
+    state = _write_state(tmp_path / "run", _history(with_tokens=True))
+    assert plot_run.main([str(state), "--out", str(tmp_path / "plots")]) == 0
+    for name in ("loss", "bytes_sent", "sync_wait"):
+        path = tmp_path / "plots" / f"{name}.png"
+        assert path.stat().st_size > 0
+        width, height = _png_size(path)
+        assert width > 100 and height > 100
+    assert "sync_wait:" in capsys.readouterr().out
+
+
+def test_run_directory_uses_latest_checkpoint_and_several_runs(tmp_path, plot_run):
+    _write_state(tmp_path / "diloco" / "checkpoint-50", _history(with_tokens=False)[:3])
+    _write_state(tmp_path / "diloco" / "checkpoint-100", _history(with_tokens=False))
+    _write_state(tmp_path / "ddp", _history(with_tokens=False, with_diloco=False))
+    assert plot_run.find_trainer_state(tmp_path / "diloco").parent.name == "checkpoint-100"
+    out = tmp_path / "plots"
+    assert plot_run.main([str(tmp_path / "diloco"), str(tmp_path / "ddp"), "--out", str(out)]) == 0
+    assert {p.name for p in out.iterdir()} == {"loss.png", "bytes_sent.png", "sync_wait.png"}
+
+
+def test_baseline_without_diloco_metrics_plots_loss_only(tmp_path, plot_run):
+    state = _write_state(tmp_path / "ddp", _history(with_tokens=True, with_diloco=False))
+    written = plot_run.plot_runs({"ddp": plot_run.load_log_history(state)}, tmp_path / "plots")
+    assert set(written) == {"loss"}
+    _png_size(written["loss"])
+
+
+def test_eval_entries_get_tokens_by_interpolation(plot_run):
+    history = [
+        {"step": 10, "loss": 3.0, "num_input_tokens_seen": 1000},
+        {"step": 15, "eval_loss": 2.5},
+        {"step": 20, "loss": 2.0, "num_input_tokens_seen": 3000},
+    ]
+    key, tokens = plot_run.token_axis(history)
+    assert key == "num_input_tokens_seen"
+    assert plot_run.metric_series(history, "eval_loss", tokens) == ([2000.0], [2.5])
+    assert plot_run.metric_series(history, "loss", None) == ([10.0, 20.0], [3.0, 2.0])
+    assert plot_run.token_axis([{"step": 1, "loss": 1.0}]) is None
