@@ -107,8 +107,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    has = {path: _maybe_submodule(model, path) is not None for path in ("model.layers", "transformer.h")}
-    if model_type in _LLAMA_LIKE_TYPES and has["model.layers"] and _existing(model, "lm_head"):
+    if model_type in _LLAMA_LIKE_TYPES and _existing(model, "model.layers") and _existing(model, "lm_head"):
         parts = dict(
             family="llama",
             embed_tokens="model.embed_tokens",
@@ -117,7 +116,7 @@ def find_decoder_parts(model: nn.Module) -> DecoderParts:
             head="lm_head",
             rotary_emb=_existing(model, "model.rotary_emb"),
         )
-    elif model_type == "gpt2" and has["transformer.h"] and _existing(model, "lm_head"):
+    elif model_type == "gpt2" and _existing(model, "transformer.h") and _existing(model, "lm_head"):
         parts = dict(
             family="gpt2",
             embed_tokens="transformer.wte",
@@ -346,11 +345,12 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _flat_all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> None:
+def _flat_all_reduce(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum `tensors` over `group` with one collective."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, op=op, group=group)
+    dist.all_reduce(flat, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
@@ -373,26 +373,29 @@ def clip_grad_norm_(
     Returns:
         The total norm, identical on every rank of `group`.
     """
-    skip = set(getattr(stage_module, "tied_copy_names", ())) | set(exclude or ())
-    grads = [p.grad for name, p in stage_module.named_parameters() if p.grad is not None]
-    counted = [p.grad for name, p in stage_module.named_parameters() if p.grad is not None and name not in skip]
-    if norm_type == math.inf:
-        local = max((g.detach().abs().max().float() for g in counted), default=torch.zeros(()))
-        total = local.clone().reshape(1)
-        if _group_size(group) > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-        total = total[0]
-    elif norm_type == 2.0:
-        local = sum((g.detach().float().pow(2).sum() for g in counted), torch.zeros(()))
-        total = local.reshape(1).clone()
-        if _group_size(group) > 1:
-            dist.all_reduce(total, group=group)
-        total = total[0].sqrt()
-    else:
+    return _clip_grad_norm(stage_module, max_norm, group, norm_type, exclude, reduce=True)
+
+
+def _clip_grad_norm(stage_module, max_norm, group, norm_type, exclude, reduce: bool) -> torch.Tensor:
+    if norm_type not in (2.0, math.inf):
         raise ValueError(f"norm_type must be 2.0 or inf, got {norm_type}.")
+    skip = set(getattr(stage_module, "tied_copy_names", ())) | set(exclude or ())
+    named_grads = [(name, p.grad) for name, p in stage_module.named_parameters() if p.grad is not None]
+    device = next(stage_module.parameters()).device
+    total = torch.zeros(1, device=device)
+    for name, grad in named_grads:
+        if name in skip:
+            continue
+        if norm_type == math.inf:
+            total = torch.maximum(total, grad.detach().abs().max().float())
+        else:
+            total += grad.detach().float().pow(2).sum()
+    if reduce and _group_size(group) > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM, group=group)
+    total = total[0] if norm_type == math.inf else total[0].sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
+    for _, grad in named_grads:
+        grad.mul_(coef.to(grad.dtype))
     return total
 
 
@@ -462,8 +465,8 @@ class PipelineRunner:
     def _global_rank(self, stage: int) -> int:
         return stage if self.group is None else dist.get_global_rank(self.group, stage)
 
-    def _schedule(self, train: bool, shape: tuple[int, ...]):
-        key = (train, shape)
+    def _schedule(self, train: bool, shape: tuple[int, ...], kwarg_names: Iterable[str]):
+        key = (train, shape, tuple(kwarg_names))
         if key not in self._schedules:
             stage = PipelineStage(self.stage_module, self.stage_index, self.num_stages, self.device, group=self.group)
             cls = SCHEDULES[self.schedule_name] if train else ScheduleGPipe
@@ -492,7 +495,7 @@ class PipelineRunner:
         loss_kwargs = {"divisor": self._divisor(labels, num_items_in_batch)}
         if self.num_stages == 1:
             return self._run_unsplit(args[0], kwargs, labels, loss_kwargs["divisor"], train)
-        schedule = self._schedule(train, tuple(batch["input_ids"].shape))
+        schedule = self._schedule(train, tuple(batch["input_ids"].shape), sorted(kwargs))
         losses: list[torch.Tensor] = []
         target = labels if self.is_last else None
         run = schedule.step if train else schedule.eval
@@ -502,10 +505,10 @@ class PipelineRunner:
 
     def _run_unsplit(self, input_ids, kwargs: dict, labels, divisor: float, train: bool) -> torch.Tensor:
         """One stage: the micro-batches run one after another in this process, no schedule or communication."""
-        chunks = lambda t: torch.tensor_split(t, self.n_microbatches)  # noqa: E731
-        kwarg_chunks = {k: chunks(v) for k, v in kwargs.items()}
+        n = self.n_microbatches
+        kwarg_chunks = {k: torch.tensor_split(v, n) for k, v in kwargs.items()}
         total = torch.zeros(())
-        for i, (ids, target) in enumerate(zip(chunks(input_ids), chunks(labels))):
+        for i, (ids, target) in enumerate(zip(torch.tensor_split(input_ids, n), torch.tensor_split(labels, n))):
             logits = self.stage_module(ids, **{k: v[i] for k, v in kwarg_chunks.items()})
             loss = causal_lm_loss(logits, target, divisor)
             if train:
@@ -526,8 +529,8 @@ class PipelineRunner:
         """Forward and backward of one batch through the schedule; gradients accumulate into the stage's `.grad`.
 
         Args:
-            batch: `input_ids`, optional `attention_mask`, `position_ids` and `labels` (default: `input_ids`);
-                every rank of the pipeline passes the same batch.
+            batch: `input_ids`, optional `attention_mask`, `position_ids` (both `(batch, seq)`) and `labels`
+                (default: `input_ids`); every rank of the pipeline passes the same batch.
             num_items_in_batch: divisor of the summed token losses (default: the batch's own token count).
 
         Returns:
@@ -583,7 +586,8 @@ class PipelineRunner:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`clip_grad_norm_` over the whole pipeline; call it after `train_step`, before the optimizer step."""
-        return clip_grad_norm_(self.stage_module, max_norm, self.group, norm_type)
+        # A single stage must not reduce over `group=None`, which would mean the whole default group.
+        return _clip_grad_norm(self.stage_module, max_norm, self.group, norm_type, None, reduce=self.num_stages > 1)
 
     def gather_state_dict(self, dst: int = 0) -> dict[str, torch.Tensor] | None:
         """Collect every stage's state on stage `dst` as one full state dict with the original names (CPU tensors).
