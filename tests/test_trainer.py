@@ -224,6 +224,53 @@ def test_one_inner_step_outer_lr_one_equals_plain_ddp(tmp_path):
             torch.testing.assert_close(r["diloco_global"][name], value, atol=1e-5, rtol=0)
 
 
+def _ddp_then_diloco_two_per_worker(rank: int, world: int, out_dir: str) -> dict:
+    out = Path(out_dir)
+    data = _dataset()
+    common = _common_args(out / "ddp", optim="sgd", max_steps=4, max_grad_norm=0.0)
+    ddp = Trainer(model=_tiny_model(), args=TrainingArguments(**common), train_dataset=data)
+    ddp.train()
+    recorder = _CollectiveRecorder()
+    common["output_dir"] = str(out / "diloco")
+    args = DiLoCoTrainingArguments(
+        **common, inner_steps=1, outer_lr=1.0, outer_momentum=0.0, data_parallel_per_worker=2
+    )
+    diloco = DiLoCoTrainer(model=_tiny_model(), args=args, train_dataset=data, callbacks=[_PhaseCallback(recorder)])
+    diloco.train()
+    wrapped = diloco.model_wrapped
+    return {
+        "ddp_losses": _losses(ddp),
+        "ddp_params": {n: p.detach().clone() for n, p in ddp.model.named_parameters()},
+        "diloco_losses": _losses(diloco),
+        "diloco_global": _global_parameters(diloco),
+        "ddp_group": dist.get_process_group_ranks(wrapped.process_group)
+        if hasattr(wrapped, "process_group")
+        else None,
+        "calls": recorder.calls,
+        "outer_peers": diloco.diloco_topology.outer_peers(),
+    }
+
+
+@pytest.mark.timeout(400)
+def test_two_data_parallel_ranks_per_worker_equal_plain_ddp(tmp_path):
+    """2 workers x 2 data-parallel ranks with H=1, outer_lr=1: DDP runs inside each worker (its own group, token
+    count and loss scale of the worker), the outer sync averages the two workers, and the result is plain DDP over
+    the 4 processes (SGD, no clipping, as in the test above). During steps, collectives stay in a worker, except the
+    outer sync itself."""
+    results = run_on_processes(_ddp_then_diloco_two_per_worker, 4, str(tmp_path), timeout_seconds=360)
+    for rank, result in enumerate(results):
+        worker = tuple(range(rank // 2 * 2, rank // 2 * 2 + 2))
+        assert result["ddp_group"] == list(worker), "DDP must average over the worker's processes only"
+        allowed = {worker, tuple(result["outer_peers"])}
+        stepping = [(phase, op, ranks) for phase, op, ranks in result["calls"] if phase.isdigit()]
+        assert stepping and all(ranks in allowed for _, _, ranks in stepping), stepping
+        for name, value in results[0]["ddp_params"].items():
+            torch.testing.assert_close(result["diloco_global"][name], value, atol=1e-5, rtol=0)
+    for step, loss in results[0]["ddp_losses"].items():
+        mean = sum(results[rank]["diloco_losses"][step] for rank in (0, 2)) / 2  # one log per worker
+        assert mean == pytest.approx(loss, abs=1e-5), step
+
+
 # ------------------------------------------------------------------------------------------------ invariants 1, 4, 5
 
 
