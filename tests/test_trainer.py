@@ -453,3 +453,21 @@ def _nested_equal(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_nested_equal(x, y) for x, y in zip(a, b))
     return a == b
+
+
+@pytest.mark.timeout(300)
+def test_evaluation_during_training_uses_global_parameters(tmp_path):
+    """Evaluated at step 6 (mid-round, H=4, one process = one worker), the model is theta_g of step 4, which is also
+    what `trainer.model` holds after training (no sync after step 4); the local weights of step 6 would differ."""
+    data = _dataset()
+    args = DiLoCoTrainingArguments(
+        **_common_args(tmp_path, max_steps=MID_ROUND_CHECKPOINT, eval_strategy="steps", eval_steps=6),
+        inner_steps=H,
+        per_device_eval_batch_size=8,
+    )
+    trainer = DiLoCoTrainer(model=_tiny_model(), args=args, train_dataset=data, eval_dataset=data.select(range(16)))
+    trainer.train()
+    during = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param.detach(), trainer.diloco.global_parameters()[name]), name
+    assert during == [trainer.evaluate()["eval_loss"]]
