@@ -1,0 +1,432 @@
+"""Data building blocks for the main pretraining job (`scripts/pretrain.py`).
+
+The default corpus is the Python standard library's own source code (found with `sysconfig`, so it is present on
+every machine that runs Python and needs no network), tokenized with a byte-level BPE tokenizer trained on the fly
+with the `tokenizers` library. Any `datasets.load_dataset` source (a Hub dataset name, or a local `text`/`json`/...
+builder with `data_files`) replaces it from the `data:` section of the YAML config.
+
+Typical use:
+
+```python
+files = stdlib_corpus_files()
+raw = load_text_dataset({"max_train_samples": 150})  # DatasetDict with "train" and "validation", column "text"
+tokenizer = build_tokenizer({"vocab_size": 4096}, raw["train"]["text"])  # trains on the training split only
+blocks = tokenize_and_group(raw, tokenizer, block_size=256)  # columns "input_ids" and "labels"
+check_enough_blocks(len(blocks["train"]), num_shards=world_size, batch_size=8)
+```
+"""
+
+from __future__ import annotations
+
+import random
+import sysconfig
+from collections.abc import Iterable, Mapping, Sequence, Sized
+from itertools import chain, islice
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, DatasetDict, load_dataset
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from hf_diloco.modeling import check_vocab_size
+
+__all__ = [
+    "DATA_SPEC_KEYS",
+    "EOS_TOKEN",
+    "TOKENIZER_SPEC_KEYS",
+    "build_tokenizer",
+    "check_enough_blocks",
+    "check_vocab",
+    "load_text_dataset",
+    "split_files",
+    "stdlib_corpus_files",
+    "tokenize_and_group",
+    "train_bpe_tokenizer",
+]
+
+EOS_TOKEN = "<|endoftext|>"
+
+# Keys of the YAML `data:` section. The last group is read by the caller (tokenization), not by `load_text_dataset`,
+# but listing them here lets a typo in any key fail loudly instead of being ignored.
+DATA_SPEC_KEYS = frozenset(
+    {
+        "source",
+        "include_tests",
+        "path",
+        "name",
+        "data_files",
+        "data_dir",
+        "split",
+        "validation_split",
+        "validation_split_percentage",
+        "text_column",
+        "max_train_samples",
+        "max_eval_samples",
+        "seed",
+        "block_size",
+        "num_proc",
+        "group_batch_size",
+    }
+)
+TOKENIZER_SPEC_KEYS = frozenset({"path", "vocab_size", "min_frequency", "max_train_samples"})
+
+_STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+_STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
+
+
+def stdlib_corpus_files(include_tests: bool = False) -> list[Path]:
+    """
+    List the `.py` source files of the running interpreter's standard library.
+
+    Args:
+        include_tests (`bool`, *optional*, defaults to `False`):
+            Whether to keep files under `test`/`tests`/`idle_test` directories (about two thirds of the stdlib's
+            source, and much of it generated data rather than code).
+
+    Returns:
+        `list[Path]`: the files, sorted by path (deterministic for a given Python install). Installed third-party
+        packages (`site-packages`, `dist-packages`) are never included.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skipped = _STDLIB_SKIPPED_DIRS if include_tests else _STDLIB_SKIPPED_DIRS | _STDLIB_TEST_DIRS
+    files = [
+        path
+        for path in root.rglob("*.py")
+        if path.is_file() and not skipped.intersection(path.relative_to(root).parts[:-1])
+    ]
+    return sorted(files)
+
+
+def split_files(files: Sequence[Path], eval_fraction: float = 0.05, seed: int = 0) -> tuple[list[Path], list[Path]]:
+    """
+    Hold out whole files for evaluation, so no evaluation text is ever seen in training.
+
+    Args:
+        files (`Sequence[Path]`): the corpus files.
+        eval_fraction (`float`, *optional*, defaults to 0.05): fraction of the files held out, in `[0, 1)`. At least
+            one file is held out when there are two or more files and the fraction is positive.
+        seed (`int`, *optional*, defaults to 0): seed of the shuffle that picks the held-out files.
+
+    Returns:
+        `tuple[list[Path], list[Path]]`: `(train_files, eval_files)`, disjoint, each sorted; the same inputs always
+        give the same split, whatever the order of `files`.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}.")
+    ordered = sorted(set(files))
+    num_eval = round(len(ordered) * eval_fraction)
+    if eval_fraction > 0 and len(ordered) >= 2:
+        num_eval = min(max(num_eval, 1), len(ordered) - 1)
+    shuffled = list(ordered)
+    random.Random(seed).shuffle(shuffled)
+    eval_files = set(shuffled[:num_eval])
+    return [f for f in ordered if f not in eval_files], [f for f in ordered if f in eval_files]
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int = 4096,
+    min_frequency: int = 2,
+    special_tokens: Sequence[str] = (EOS_TOKEN,),
+    show_progress: bool = True,
+    length: int | None = None,
+) -> PreTrainedTokenizerFast:
+    """
+    Train a byte-level BPE tokenizer (the GPT-2 scheme: any text round-trips, no unknown token) on `texts`.
+
+    Args:
+        texts (`Iterable[str]`): the training documents.
+        vocab_size (`int`, *optional*, defaults to 4096): the largest vocabulary, special tokens included; a small
+            corpus may yield fewer merges.
+        min_frequency (`int`, *optional*, defaults to 2): a pair seen fewer times is never merged.
+        special_tokens (`Sequence[str]`, *optional*, defaults to `("<|endoftext|>",)`): the first one serves as the
+            BOS, EOS and padding token.
+        show_progress (`bool`, *optional*, defaults to `True`): show the `tokenizers` progress bar.
+        length (`int`, *optional*): number of texts, only used by the progress bar.
+
+    Returns:
+        `PreTrainedTokenizerFast`: ready to `save_pretrained` and reload with `AutoTokenizer.from_pretrained`.
+    """
+    if not special_tokens:
+        raise ValueError("train_bpe_tokenizer needs at least one special token (used as BOS/EOS/padding).")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer, length=length)
+    eos = special_tokens[0]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=eos,
+        eos_token=eos,
+        pad_token=eos,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tokenizer(spec: Mapping[str, Any] | None, texts: Iterable[str]) -> PreTrainedTokenizerBase:
+    """
+    Build the tokenizer described by the YAML `tokenizer:` section.
+
+    Args:
+        spec (`Mapping[str, Any]`, *optional*): either `{"path": <folder or Hub name>}` to load an existing tokenizer
+            with `AutoTokenizer.from_pretrained`, or `{"vocab_size": ..., "min_frequency": ...,
+            "max_train_samples": ...}` to train a byte-level BPE tokenizer on `texts` (the default, vocab 4096).
+        texts (`Iterable[str]`): the training documents, for example `raw["train"]["text"]` (ignored when `path` is
+            given). Train on the training split only, so the evaluation text stays unseen.
+
+    Returns:
+        `PreTrainedTokenizerBase`: a tokenizer with an EOS token (a loaded one without a padding token gets EOS as
+        padding).
+    """
+    spec = dict(spec or {})
+    _check_keys(spec, TOKENIZER_SPEC_KEYS, "tokenizer")
+    if spec.get("path"):
+        tokenizer = AutoTokenizer.from_pretrained(spec["path"])
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"The tokenizer at {spec['path']!r} has no EOS token, which separates documents.")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+    length = len(texts) if isinstance(texts, Sized) else None
+    max_samples = spec.get("max_train_samples")
+    if max_samples is not None:
+        texts = islice(texts, max_samples)
+        length = None if length is None else min(length, max_samples)
+    texts = iter(texts)
+    first = next(texts, None)
+    if first is None:
+        raise ValueError("Cannot train a tokenizer on an empty corpus.")
+    return train_bpe_tokenizer(
+        chain([first], texts),
+        vocab_size=spec.get("vocab_size", 4096),
+        min_frequency=spec.get("min_frequency", 2),
+        length=length,
+    )
+
+
+def load_text_dataset(spec: Mapping[str, Any] | None = None) -> DatasetDict:
+    """
+    Load the raw text corpus described by the YAML `data:` section.
+
+    Args:
+        spec (`Mapping[str, Any]`, *optional*): the `data:` section. Keys:
+
+            - `source`: `"stdlib"` (the default when there is no `path`) or `"datasets"` (the default with a `path`).
+            - `include_tests` (stdlib): also use the stdlib's test files (default `False`).
+            - `path`, `name`, `data_files`, `data_dir`, `split`: passed to `datasets.load_dataset`; `path` is a Hub
+              dataset name, a local dataset folder, or a builder such as `"text"`/`"json"`/`"csv"` with
+              `data_files`.
+            - `validation_split`: name of the evaluation split (default `"validation"`).
+            - `validation_split_percentage`: percentage of the training rows (or, for stdlib, files) held out when
+              there is no evaluation split (default 5).
+            - `text_column`: the column holding the text (default `"text"`).
+            - `max_train_samples`, `max_eval_samples`: keep a seeded random subset of this many rows (stdlib: files).
+            - `seed`: seed of the held-out split and of the subsets (default 0).
+            - `block_size`, `num_proc`, `group_batch_size`: read by the caller for `tokenize_and_group`.
+
+    Returns:
+        `DatasetDict`: splits `"train"` and `"validation"`, each with the single column `"text"`.
+    """
+    spec = dict(spec or {})
+    _check_keys(spec, DATA_SPEC_KEYS, "data")
+    source = spec.get("source", "datasets" if spec.get("path") else "stdlib")
+    seed = spec.get("seed", 0)
+    percentage = spec.get("validation_split_percentage", 5)
+    if source == "stdlib":
+        raw = _load_stdlib(spec, percentage / 100, seed)
+    elif source == "datasets":
+        raw = _load_with_datasets(spec, percentage / 100, seed)
+    else:
+        raise ValueError(f"data.source must be 'stdlib' or 'datasets', got {source!r}.")
+    raw = DatasetDict(
+        train=_subset(raw["train"], spec.get("max_train_samples"), seed),
+        validation=_subset(raw["validation"], spec.get("max_eval_samples"), seed),
+    )
+    for split, dataset in raw.items():
+        if len(dataset) == 0:
+            raise ValueError(f"The {split} split of the data is empty; check the `data:` section of the config.")
+    return raw
+
+
+def tokenize_and_group(
+    dataset: Dataset | DatasetDict,
+    tokenizer: PreTrainedTokenizerBase,
+    block_size: int,
+    num_proc: int | None = None,
+    group_batch_size: int = 1000,
+    text_column: str = "text",
+) -> Dataset | DatasetDict:
+    """
+    Tokenize documents and pack them into fixed-length blocks for causal language modeling (as `run_clm.py` does).
+
+    Every document is followed by the EOS token; the token stream of each batch of `group_batch_size` consecutive
+    documents is cut into blocks of `block_size` tokens, and the remainder (fewer than `block_size` tokens per batch)
+    is dropped.
+
+    Args:
+        dataset (`Dataset` or `DatasetDict`): documents in the column `text_column`.
+        tokenizer (`PreTrainedTokenizerBase`): a tokenizer with an EOS token.
+        block_size (`int`): tokens per block (no longer than the model's `max_position_embeddings`).
+        num_proc (`int`, *optional*): worker processes for `datasets.map`.
+        group_batch_size (`int`, *optional*, defaults to 1000): documents concatenated before cutting.
+        text_column (`str`, *optional*, defaults to `"text"`): the column holding the text.
+
+    Returns:
+        `Dataset` or `DatasetDict` (same as `dataset`): columns `input_ids` and `labels` (a copy of `input_ids`; the
+        model shifts them), each row `block_size` tokens long.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}.")
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise ValueError("The tokenizer has no EOS token, which separates documents when they are packed.")
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        ids = tokenizer(batch[text_column], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [doc + [eos_id] for doc in ids]}
+
+    def group(batch: dict[str, list]) -> dict[str, list]:
+        stream = list(chain.from_iterable(batch["input_ids"]))
+        total = len(stream) // block_size * block_size
+        blocks = [stream[i : i + block_size] for i in range(0, total, block_size)]
+        return {"input_ids": blocks, "labels": [list(block) for block in blocks]}
+
+    if isinstance(dataset, DatasetDict):
+        return DatasetDict(
+            {
+                split: tokenize_and_group(part, tokenizer, block_size, num_proc, group_batch_size, text_column)
+                for split, part in dataset.items()
+            }
+        )
+    tokenized = dataset.map(
+        tokenize, batched=True, num_proc=num_proc, remove_columns=dataset.column_names, desc="Tokenizing"
+    )
+    return tokenized.map(
+        group,
+        batched=True,
+        batch_size=group_batch_size,
+        num_proc=num_proc,
+        desc=f"Packing into blocks of {block_size} tokens",
+    )
+
+
+def check_enough_blocks(num_blocks: int, num_shards: int, batch_size: int, split: str = "train") -> None:
+    """
+    Fail early when a split cannot give every data shard (process) one full batch.
+
+    Args:
+        num_blocks (`int`): number of packed blocks in the split.
+        num_shards (`int`): number of data shards, usually the number of processes.
+        batch_size (`int`): per-device batch size.
+        split (`str`, *optional*, defaults to `"train"`): the split's name, for the message.
+
+    Raises:
+        `ValueError`: when `num_blocks < num_shards * batch_size`, saying how to fix it.
+    """
+    needed = num_shards * batch_size
+    if num_blocks < needed:
+        raise ValueError(
+            f"The {split} split has {num_blocks} blocks, but {num_shards} data shard(s) x batch size {batch_size} "
+            f"need at least {needed}. Use more data (raise `data.max_train_samples`/`max_eval_samples`, or point "
+            "`data.path` at a larger corpus), a smaller `data.block_size`, a smaller per-device batch size, or "
+            "fewer processes."
+        )
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerBase, model_config: Any) -> None:
+    """
+    Fail early when the tokenizer can produce ids that the model has no embedding for.
+
+    Args:
+        tokenizer (`PreTrainedTokenizerBase`): the tokenizer.
+        model_config (`PretrainedConfig`): the model's config (its `vocab_size` is read).
+
+    Raises:
+        `ValueError`: when `len(tokenizer) > model_config.vocab_size`.
+    """
+    check_vocab_size(len(tokenizer), model_config.vocab_size)
+
+
+def _check_keys(spec: Mapping[str, Any], allowed: frozenset[str], section: str) -> None:
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise ValueError(f"Unknown key(s) {unknown} in the `{section}:` section; allowed: {sorted(allowed)}.")
+
+
+def _read_files(files: Sequence[Path], max_files: int | None, seed: int) -> Dataset:
+    """Read a seeded random pick of up to `max_files` non-blank files (all of them when `max_files` is None)."""
+    order = list(files)
+    if max_files is not None:
+        random.Random(seed).shuffle(order)
+    texts = []
+    for path in order:
+        if max_files is not None and len(texts) >= max_files:
+            break
+        # A few stdlib files are not UTF-8 (test data on purpose); the replacement character keeps them usable.
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.strip():
+            texts.append(text)
+    return Dataset.from_dict({"text": texts})
+
+
+def _load_stdlib(spec: Mapping[str, Any], eval_fraction: float, seed: int) -> DatasetDict:
+    files = stdlib_corpus_files(include_tests=spec.get("include_tests", False))
+    if not files:
+        raise ValueError(f"No .py files found under {sysconfig.get_paths()['stdlib']!r}.")
+    train_files, eval_files = split_files(files, eval_fraction, seed)
+    return DatasetDict(
+        train=_read_files(train_files, spec.get("max_train_samples"), seed),
+        validation=_read_files(eval_files, spec.get("max_eval_samples"), seed),
+    )
+
+
+def _load_with_datasets(spec: Mapping[str, Any], eval_fraction: float, seed: int) -> DatasetDict:
+    if not spec.get("path"):
+        raise ValueError("data.source 'datasets' needs data.path (a dataset name, folder, or builder like 'json').")
+    kwargs = {key: spec[key] for key in ("name", "data_files", "data_dir", "split") if spec.get(key) is not None}
+    loaded = load_dataset(spec["path"], **kwargs)
+    validation_split = spec.get("validation_split", "validation")
+    if isinstance(loaded, Dataset):
+        loaded = DatasetDict(train=loaded)
+    if "train" not in loaded:
+        raise ValueError(f"The dataset {spec['path']!r} has no 'train' split (splits: {list(loaded)}).")
+    if validation_split in loaded:
+        raw = DatasetDict(train=loaded["train"], validation=loaded[validation_split])
+    else:
+        if not 0 < eval_fraction < 1 or len(loaded["train"]) < 2:
+            raise ValueError(
+                f"The dataset has no {validation_split!r} split; set data.validation_split_percentage in (0, 100) "
+                "on a train split of at least 2 rows to hold some out."
+            )
+        held_out = loaded["train"].train_test_split(test_size=eval_fraction, seed=seed)
+        raw = DatasetDict(train=held_out["train"], validation=held_out["test"])
+    text_column = spec.get("text_column", "text")
+    for split, dataset in raw.items():
+        if text_column not in dataset.column_names:
+            raise ValueError(
+                f"The {split} split has no column {text_column!r} (columns: {dataset.column_names}); "
+                "set data.text_column."
+            )
+    return DatasetDict({split: _only_text(dataset, text_column) for split, dataset in raw.items()})
+
+
+def _only_text(dataset: Dataset, text_column: str) -> Dataset:
+    dataset = dataset.select_columns([text_column])
+    if text_column != "text":
+        dataset = dataset.rename_column(text_column, "text")
+    return dataset
+
+
+def _subset(dataset: Dataset, max_samples: int | None, seed: int) -> Dataset:
+    if max_samples is None or max_samples >= len(dataset):
+        return dataset
+    return dataset.shuffle(seed=seed).select(range(max_samples))

@@ -1,0 +1,252 @@
+"""Tests of the main job's data and model building blocks (hf_diloco.data, hf_diloco.modeling)."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_diloco.data import (
+    EOS_TOKEN,
+    build_tokenizer,
+    check_enough_blocks,
+    check_vocab,
+    load_text_dataset,
+    split_files,
+    stdlib_corpus_files,
+    tokenize_and_group,
+    train_bpe_tokenizer,
+)
+from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "intermediate_size": 64,
+    "max_position_embeddings": 64,
+}
+DOCS = [
+    "def f(x):\n    return x + 1\n",
+    "héllo wörld 世界 \t tabs\n\n\nand blank lines",
+    "class A:\n    pass\n",
+    "x = [i ** 2 for i in range(10)]  # squares",
+    "",
+    "import os\nprint(os.sep)\n",
+]
+
+
+@pytest.fixture(scope="module")
+def stdlib_files():
+    return stdlib_corpus_files()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(stdlib_files):
+    texts = [path.read_text(encoding="utf-8") for path in stdlib_files[:20]]
+    return train_bpe_tokenizer(texts, vocab_size=512, show_progress=False)
+
+
+def test_stdlib_corpus_is_found(stdlib_files):
+    root = Path(sysconfig.get_paths()["stdlib"])
+    assert len(stdlib_files) > 100
+    assert stdlib_files == sorted(stdlib_files)
+    assert root / "os.py" in stdlib_files
+    assert root / "json" / "decoder.py" in stdlib_files
+    for path in stdlib_files:
+        parts = path.relative_to(root).parts
+        assert path.suffix == ".py" and path.is_file()
+        assert "site-packages" not in parts and "test" not in parts
+    with_tests = stdlib_corpus_files(include_tests=True)
+    assert set(stdlib_files) < set(with_tests)
+    assert any("test" in path.relative_to(root).parts for path in with_tests)
+
+
+def test_split_files_is_disjoint_and_deterministic():
+    files = [Path(f"dir/file_{i:03d}.py") for i in range(200)]
+    train, evals = split_files(files, eval_fraction=0.1, seed=3)
+    assert len(evals) == 20 and len(train) == 180
+    assert not set(train) & set(evals)
+    assert set(train) | set(evals) == set(files)
+    assert split_files(list(reversed(files)), eval_fraction=0.1, seed=3) == (train, evals)
+    assert split_files(files, eval_fraction=0.1, seed=4)[1] != evals
+    # Held-out files are a random pick, not simply the first or last ones.
+    assert evals != files[:20] and evals != files[-20:]
+    assert split_files(files[:3], eval_fraction=0.01)[1] != []
+    with pytest.raises(ValueError, match="eval_fraction"):
+        split_files(files, eval_fraction=1.0)
+
+
+def test_tokenizer_round_trips_and_reloads_offline(tokenizer, stdlib_files, tmp_path, monkeypatch):
+    assert len(tokenizer) == 512
+    assert tokenizer.eos_token == tokenizer.bos_token == tokenizer.pad_token == EOS_TOKEN
+    unseen = stdlib_files[-1].read_text(encoding="utf-8")
+    for text in [unseen, *DOCS, "emoji 🐍 and \r\n crlf"]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    # BPE learned merges: common Python source takes far fewer tokens than bytes.
+    assert len(tokenizer(unseen)["input_ids"]) < len(unseen.encode()) / 2
+
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reloaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert len(reloaded) == len(tokenizer)
+    assert (reloaded.eos_token_id, reloaded.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert reloaded(unseen)["input_ids"] == tokenizer(unseen)["input_ids"]
+    assert reloaded.decode(reloaded(unseen)["input_ids"]) == unseen
+
+    from_spec = build_tokenizer({"path": str(tmp_path)}, texts=[])
+    assert from_spec(DOCS[1])["input_ids"] == tokenizer(DOCS[1])["input_ids"]
+    trained = build_tokenizer({"vocab_size": 300, "max_train_samples": 2}, texts=DOCS)
+    assert len(trained) <= 300
+    with pytest.raises(ValueError, match="empty corpus"):
+        build_tokenizer({"vocab_size": 300}, texts=iter([]))
+    with pytest.raises(ValueError, match="Unknown key"):
+        build_tokenizer({"vocab": 300}, texts=DOCS)
+
+
+def _reference_blocks(docs, tokenizer, block_size, group_size):
+    """Independent packing: tokenize each group of documents joined by EOS as ONE string, cut, drop the tail."""
+    blocks = []
+    for start in range(0, len(docs), group_size):
+        joined = "".join(doc + EOS_TOKEN for doc in docs[start : start + group_size])
+        stream = tokenizer(joined, add_special_tokens=False)["input_ids"]
+        blocks += [stream[i : i + block_size] for i in range(0, len(stream) - block_size + 1, block_size)]
+    return blocks
+
+
+@pytest.mark.parametrize("group_batch_size", [1000, 2])
+def test_tokenize_and_group_packs_documents_with_eos(tokenizer, group_batch_size):
+    from datasets import Dataset
+
+    docs = DOCS * 5
+    dataset = Dataset.from_dict({"text": docs, "other": list(range(len(docs)))})
+    blocks = tokenize_and_group(dataset, tokenizer, block_size=7, group_batch_size=group_batch_size)
+    assert blocks.column_names == ["input_ids", "labels"]
+    expected = _reference_blocks(docs, tokenizer, 7, group_batch_size)
+    assert len(expected) > 10
+    assert list(blocks["input_ids"]) == expected
+    assert list(blocks["labels"]) == expected
+    assert all(len(block) == 7 for block in blocks["input_ids"])
+    if group_batch_size == 1000:
+        stream = [token for block in expected for token in block]
+        assert stream.count(tokenizer.eos_token_id) >= len(docs) - 1
+
+
+def test_load_text_dataset_local_text_files(tmp_path, tokenizer):
+    (tmp_path / "train.txt").write_text("\n".join(f"train line {i}" for i in range(30)) + "\n")
+    (tmp_path / "valid.txt").write_text("valid line a\nvalid line b\n")
+    spec = {
+        "path": "text",
+        "data_files": {"train": str(tmp_path / "train.txt"), "validation": str(tmp_path / "valid.txt")},
+        "max_train_samples": 12,
+        "block_size": 8,
+    }
+    raw = load_text_dataset(spec)
+    assert set(raw) == {"train", "validation"}
+    assert list(raw["validation"]["text"]) == ["valid line a", "valid line b"]
+    assert len(raw["train"]) == 12
+    assert set(raw["train"]["text"]) < {f"train line {i}" for i in range(30)}
+    assert list(load_text_dataset(spec)["train"]["text"]) == list(raw["train"]["text"])
+    blocks = tokenize_and_group(raw, tokenizer, block_size=spec["block_size"])
+    assert len(blocks["train"]) > 0 and len(blocks["train"][0]["input_ids"]) == 8
+
+
+def test_load_text_dataset_local_json_with_held_out_split(tmp_path):
+    rows = [{"content": f"document number {i}", "id": i} for i in range(50)]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    spec = {"path": "json", "data_files": str(path), "text_column": "content", "validation_split_percentage": 20}
+    raw = load_text_dataset(spec)
+    assert raw["train"].column_names == ["text"] and raw["validation"].column_names == ["text"]
+    assert len(raw["validation"]) == 10 and len(raw["train"]) == 40
+    assert sorted([*raw["train"]["text"], *raw["validation"]["text"]]) == sorted(row["content"] for row in rows)
+    single = load_text_dataset({**spec, "split": "train", "seed": 1})
+    assert len(single["validation"]) == 10 and list(single["validation"]["text"]) != list(raw["validation"]["text"])
+    with pytest.raises(ValueError, match="no column 'body'"):
+        load_text_dataset({**spec, "text_column": "body"})
+    with pytest.raises(ValueError, match="train split of the data is empty"):
+        load_text_dataset({**spec, "max_train_samples": 0})
+
+
+def test_load_text_dataset_default_is_stdlib():
+    raw = load_text_dataset({"max_train_samples": 5, "max_eval_samples": 3, "block_size": 64})
+    assert len(raw["train"]) == 5 and len(raw["validation"]) == 3
+    assert raw["train"].column_names == ["text"]
+    assert all(text.strip() for text in [*raw["train"]["text"], *raw["validation"]["text"]])
+    assert list(load_text_dataset({"max_train_samples": 5})["train"]["text"]) == list(raw["train"]["text"])
+    with pytest.raises(ValueError, match="Unknown key.*max_train_file"):
+        load_text_dataset({"max_train_file": 5})
+    with pytest.raises(ValueError, match="data.source"):
+        load_text_dataset({"source": "web"})
+
+
+def test_check_enough_blocks():
+    check_enough_blocks(16, num_shards=2, batch_size=8)
+    with pytest.raises(ValueError, match=r"15 blocks.*need at least 16.*smaller `data.block_size`"):
+        check_enough_blocks(15, num_shards=2, batch_size=8)
+
+
+def test_check_vocab(tokenizer):
+    check_vocab(tokenizer, LlamaConfig(vocab_size=512))
+    with pytest.raises(ValueError, match="tokenizer has 512 tokens but the model's vocabulary has 500"):
+        check_vocab(tokenizer, LlamaConfig(vocab_size=500))
+
+
+def test_build_model_default(tokenizer):
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    model = build_model(None, len(tokenizer), *ids, seed=0)
+    assert isinstance(model, LlamaForCausalLM) and model.training
+    config = model.config
+    for key, value in DEFAULT_MODEL_CONFIG.items():
+        if key != "model_type":
+            assert getattr(config, key) == value, key
+    assert config.vocab_size == len(tokenizer)
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == ids
+    assert sum(p.numel() for p in model.parameters()) < 3_000_000
+    same = build_model({}, len(tokenizer), *ids, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), same.parameters()))
+    batch = torch.tensor([tokenizer("def f(x):\n    return x\n")["input_ids"]])
+    loss = model(input_ids=batch, labels=batch).loss
+    assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(512.0)).item()) < 1.0
+
+
+def test_build_model_from_config_dict():
+    spec = {"config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2, "n_positions": 64}}
+    model = build_model(spec, 300, eos_token_id=0, pad_token_id=0)
+    assert isinstance(model, GPT2LMHeadModel)
+    assert (model.config.vocab_size, model.config.n_layer, model.config.eos_token_id) == (300, 2, 0)
+    assert model.get_input_embeddings().weight.shape == (300, 32)
+    assert build_model({"config": {**TINY_LLAMA, "vocab_size": 400}}, 300).config.vocab_size == 400
+    assert next(build_model({"config": TINY_LLAMA, "dtype": "bfloat16"}, 300).parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="model_type"):
+        build_model({"config": {"hidden_size": 32}}, 300)
+    with pytest.raises(ValueError, match="300 tokens but the model's vocabulary has 100"):
+        build_model({"config": {**TINY_LLAMA, "vocab_size": 100}}, 300)
+    with pytest.raises(ValueError, match="Unknown key"):
+        build_model({"confg": TINY_LLAMA}, 300)
+
+
+def test_build_model_from_local_folder(tmp_path):
+    saved = build_model({"config": TINY_LLAMA}, 300, seed=1)
+    saved.save_pretrained(tmp_path)
+
+    loaded = build_model({"model_name_or_path": str(tmp_path)}, 300)
+    assert isinstance(loaded, LlamaForCausalLM) and loaded.training
+    saved_state = saved.state_dict()
+    assert all(torch.equal(tensor, saved_state[name]) for name, tensor in loaded.state_dict().items())
+
+    fresh = build_model({"config_name": str(tmp_path), "config": {"num_hidden_layers": 1}}, 300, seed=2)
+    assert (fresh.config.hidden_size, fresh.config.num_hidden_layers) == (32, 1)
+    assert not torch.equal(fresh.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+
+    with pytest.raises(ValueError, match="400 tokens but the model's vocabulary has 300"):
+        build_model({"model_name_or_path": str(tmp_path)}, 400)
+    with pytest.raises(ValueError, match="only one"):
+        build_model({"model_name_or_path": str(tmp_path), "config_name": str(tmp_path)}, 300)
