@@ -8,7 +8,7 @@ builder with `data_files`) replaces it from the `data:` section of the YAML conf
 Typical use:
 
 ```python
-files = stdlib_corpus_files()
+files = stdlib_corpus_files()  # the default corpus: sorted .py paths of this interpreter's stdlib
 raw = load_text_dataset({"max_train_samples": 150})  # DatasetDict with "train" and "validation", column "text"
 tokenizer = build_tokenizer({"vocab_size": 4096}, raw["train"]["text"])  # trains on the training split only
 blocks = tokenize_and_group(raw, tokenizer, block_size=256)  # columns "input_ids" and "labels"
@@ -27,7 +27,7 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict, load_dataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from hf_diloco.modeling import check_vocab_size
 
@@ -342,7 +342,7 @@ def check_enough_blocks(num_blocks: int, num_shards: int, batch_size: int, split
         )
 
 
-def check_vocab(tokenizer: PreTrainedTokenizerBase, model_config: Any) -> None:
+def check_vocab(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig) -> None:
     """
     Fail early when the tokenizer can produce ids that the model has no embedding for.
 
