@@ -47,6 +47,13 @@ class DiLoCoConfig:
         compression_scale_dtype (`str`): dtype of the per-block scales.
         error_feedback (`bool`): add what quantization dropped to the next pseudo-gradient.
 
+    Low-rank and adaptive compression (DiLoCoX):
+        lowrank_rank (`int`): PowerSGD rank of the 2-D pseudo-gradients (0 = off); the largest rank when adaptive.
+        lowrank_min_rank (`int`): the smallest rank the adaptive policy may pick.
+        adaptive_compression (`bool`): let a policy pick rank and codec each sync (`compression` is the fewest bits).
+        adaptive_energy_threshold (`float`): share of the pseudo-gradient's energy the chosen rank should capture.
+        adaptive_link_bytes_per_second (`float`): assumed cross-worker throughput (0 = measure it).
+
     Topology:
         pipeline_stages (`int`): pipeline stages inside one worker.
         data_parallel_per_worker (`int`): data-parallel replicas inside one worker (GPUs per node).
@@ -91,6 +98,30 @@ class DiLoCoConfig:
     error_feedback: bool = field(
         default=False, metadata={"help": "Carry the quantization residual into the next pseudo-gradient."}
     )
+    lowrank_rank: int = field(
+        default=0,
+        metadata={
+            "help": "PowerSGD rank of the 2-D pseudo-gradients before quantization, with error feedback (0 = off). "
+            "With adaptive_compression, the largest rank."
+        },
+    )
+    lowrank_min_rank: int = field(
+        default=1, metadata={"help": "Smallest rank adaptive_compression may pick (<= lowrank_rank)."}
+    )
+    adaptive_compression: bool = field(
+        default=False,
+        metadata={
+            "help": "Pick rank and codec each sync: the most accurate setting whose exchange fits the compute it "
+            "overlaps; the rank shrinks as the energy concentrates. `compression` is the fewest bits allowed."
+        },
+    )
+    adaptive_energy_threshold: float = field(
+        default=0.9, metadata={"help": "Share of the pseudo-gradient energy the adaptive rank should capture."}
+    )
+    adaptive_link_bytes_per_second: float = field(
+        default=0.0,
+        metadata={"help": "Cross-worker throughput the adaptive policy assumes (0 = measure it on each exchange)."},
+    )
     pipeline_stages: int = field(default=1, metadata={"help": "Pipeline stages inside one worker."})
     data_parallel_per_worker: int = field(
         default=1, metadata={"help": "Data-parallel replicas inside one worker (e.g. GPUs per node)."}
@@ -111,6 +142,18 @@ class DiLoCoConfig:
         _check_int("num_fragments", self.num_fragments, minimum=1)
         _check_int("sync_delay", self.sync_delay, minimum=0)
         _check_int("compression_block_size", self.compression_block_size, minimum=2)
+        _check_int("lowrank_rank", self.lowrank_rank, minimum=0)
+        _check_int("lowrank_min_rank", self.lowrank_min_rank, minimum=1)
+        _check_float("adaptive_energy_threshold", self.adaptive_energy_threshold, low=0.0, high=1.0, low_open=True)
+        _check_float("adaptive_link_bytes_per_second", self.adaptive_link_bytes_per_second, low=0.0)
+        if not isinstance(self.adaptive_compression, bool):
+            raise ValueError(f"adaptive_compression must be true or false, got {self.adaptive_compression!r}.")
+        if self.lowrank_rank and self.lowrank_min_rank > self.lowrank_rank:
+            raise ValueError(
+                f"lowrank_min_rank ({self.lowrank_min_rank}) must be <= lowrank_rank ({self.lowrank_rank})."
+            )
+        if self.adaptive_compression and not self.lowrank_rank:
+            raise ValueError("adaptive_compression needs lowrank_rank >= 1 (the largest rank the policy may pick).")
         _check_int("pipeline_stages", self.pipeline_stages, minimum=1)
         _check_int("data_parallel_per_worker", self.data_parallel_per_worker, minimum=1)
         _check_float("outer_lr", self.outer_lr, low=0.0)

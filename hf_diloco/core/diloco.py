@@ -8,6 +8,7 @@ arXiv 2502.12996). The exact update rules of every overlap mode are written in `
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import DiLoCoConfig
+from .adaptive import CODEC_BITS, WindowEnergyPolicy, policy_compressions
 from .codecs import make_codec
 from .exchange import ExchangeResult, OuterExchange, PendingExchange
 from .fragments import find_block_stack, fragments_launched_at, partition_fragments
+from .lowrank import LowRankCompressor
 from .topology import Topology
 
 
@@ -52,6 +55,10 @@ class DiLoCo:
         Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M (Δ~ = Δm^1 in the first round); θm <- a_m <- OuterOpt'(θg, Δ~), where
         OuterOpt' is a look-ahead step whose optimizer state is thrown away. θg only ever sees true averages.
     `close()` waits for what is in flight and applies it at once (θm <- θg afterwards), so θg is complete.
+
+    With `lowrank_rank` > 0, the exchange averages a PowerSGD approximation of Δm instead (see `lowrank.py`; its error
+    feedback is always on), and with `adaptive_compression` a policy picks rank and codec per sync (`adaptive.py`;
+    pluggable: assign another `CompressionPolicy` to `engine.exchange.policy`, choices in `engine.exchange.choices`).
 
     A non-finite average (some worker produced NaN/inf) is skipped by every worker alike: θg and the outer state
     stay as they were, θm <- θg, and `stats["skipped_nonfinite"]` counts it.
@@ -90,6 +97,9 @@ class DiLoCo:
             config.sync_timeout_seconds,
             keep_residual=config.error_feedback,
         )
+        self._lowrank = self._make_lowrank()
+        self._step_seconds: float | None = None
+        self._step_ended: float | None = None
         self.inner_step = 0
         self.stats: dict[str, float] = {
             "outer_steps": 0,
@@ -99,11 +109,15 @@ class DiLoCo:
             "skipped_nonfinite": 0,
             "pseudo_grad_norm": 0.0,
         }
+        if self._lowrank is not None:
+            self.stats["lowrank_rank"] = config.lowrank_rank
+            self.stats["compression_bits"] = CODEC_BITS[config.compression]
 
     # ----------------------------------------------------------------------------------------------- public API
 
     def step(self) -> None:
         """Advance the schedule by one completed inner optimizer step."""
+        self._clock_step()
         self.inner_step += 1
         t = self.inner_step
         for fragment, flight in sorted(self._in_flight.items(), key=lambda item: item[1].apply_at):
@@ -111,6 +125,7 @@ class DiLoCo:
                 self._apply_streaming(fragment)
         for fragment in fragments_launched_at(t, self.config.inner_steps, self.config.num_fragments):
             self._launch(fragment)
+        self._step_ended = time.perf_counter()
 
     def close(self) -> None:
         """Apply everything still in flight (in launch order), so the global parameters are complete."""
@@ -179,6 +194,7 @@ class DiLoCo:
             "residual": list(self._residual),
             "pending": pending,
             "stats": dict(self.stats),
+            "lowrank": None if self._lowrank is None else [c.state_dict() for c in self._lowrank],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -211,6 +227,8 @@ class DiLoCo:
                 PendingExchange.completed(result), item["apply_at"], item["sent"]
             )
         self.stats = dict(state["stats"])
+        for compressor, saved in zip(self._lowrank or [], state.get("lowrank") or []):
+            compressor.load_state_dict(saved)
 
     # ----------------------------------------------------------------------------------------------- schedule
 
@@ -223,7 +241,10 @@ class DiLoCo:
         self.stats["pseudo_grad_norm"] = float(delta.norm())
         blocking = mode == "streaming" and self.config.sync_delay == 0
         description = f"outer sync of fragment {fragment} at inner step {self.inner_step} with peers {self.topology.outer_peers()}"
-        pending = self.exchange.launch(delta.cpu(), description, blocking=blocking)
+        compressor = None if self._lowrank is None else self._lowrank[fragment]
+        pending = self.exchange.launch(
+            delta.cpu(), description, blocking=blocking, compressor=compressor, context=self._launch_context(fragment)
+        )
         if mode == "streaming":
             self._in_flight[fragment] = _InFlight(pending, self.inner_step + self.config.sync_delay)
             if self.config.sync_delay == 0:
@@ -257,6 +278,9 @@ class DiLoCo:
         self.stats["bytes_sent"] += result.bytes_sent
         self.stats["bytes_sent_intra_worker"] += result.bytes_sent_intra_worker
         self._residual[fragment] = result.residual
+        if result.choice is not None:
+            self.stats["lowrank_rank"] = result.choice["rank"]
+            self.stats["compression_bits"] = CODEC_BITS[result.choice["compression"]]
         average = result.average.to(self._device)
         if not bool(torch.isfinite(average).all()):
             self.stats["skipped_nonfinite"] += 1
@@ -265,6 +289,53 @@ class DiLoCo:
         self._outer_step(fragment, average)
         self.stats["outer_steps"] += 1
         return average
+
+    def _launch_context(self, fragment: int) -> dict:
+        """What an adaptive policy needs to know about this launch (how much compute the exchange can hide behind)."""
+        overlap_steps = self.config.sync_delay
+        if self.config.overlap != "streaming":
+            overlap_steps = self.config.inner_steps // self.config.num_fragments
+        return {
+            "step": self.inner_step,
+            "fragment": fragment,
+            "step_seconds": self._step_seconds,
+            "overlap_steps": overlap_steps,
+        }
+
+    def _clock_step(self) -> None:
+        """Average compute time of one inner step: time between two `step()` calls, outside the engine."""
+        if self._step_ended is None:
+            return
+        elapsed = time.perf_counter() - self._step_ended
+        self._step_seconds = elapsed if self._step_seconds is None else 0.9 * self._step_seconds + 0.1 * elapsed
+
+    def _make_lowrank(self) -> list[LowRankCompressor] | None:
+        """One PowerSGD compressor per fragment (the initial Q is seeded by the fragment index on every worker)."""
+        config = self.config
+        if not config.lowrank_rank:
+            return None
+        adaptive = config.adaptive_compression
+        if adaptive:
+            self.exchange.policy = WindowEnergyPolicy(
+                config.lowrank_rank,
+                config.lowrank_min_rank,
+                policy_compressions(config.compression),
+                config.adaptive_energy_threshold,
+            )
+            self.exchange.codec_factory = functools.partial(
+                make_codec, block_size=config.compression_block_size, scale_dtype=config.compression_scale_dtype
+            )
+            self.exchange.assumed_link_bytes_per_second = config.adaptive_link_bytes_per_second or None
+        return [
+            LowRankCompressor(
+                [self._params[name].shape for name in names],
+                config.lowrank_rank,
+                seed=fragment,
+                track_energy=adaptive,
+                compression=config.compression,
+            )
+            for fragment, names in enumerate(self._fragments)
+        ]
 
     def _wait(self, pending: PendingExchange) -> ExchangeResult:
         started = time.perf_counter()

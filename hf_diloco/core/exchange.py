@@ -10,6 +10,11 @@ With M workers and D data-parallel ranks per worker, the flat vector is padded t
 Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. Then the
 D ranks of a worker all-gather their averaged shards over the fast intra-worker link. All of it runs in one
 background thread per engine, in launch order, so training continues while it is in flight.
+
+With a `LowRankCompressor` (see `lowrank.py`) a launch averages twice, `[P ++ rest]` then `[Q]`, each as above, and
+returns the low-rank approximation. With a `CompressionPolicy` (see `adaptive.py`) the job first broadcasts the
+decision of the outer group's first rank (`[rank, codec index]`, two int64) over the outer group, then from the
+worker's first data-parallel rank over the fast link, so every rank of every worker uses the same setting.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .codecs import Codec
+from .adaptive import CompressionPolicy, Observation
+from .codecs import COMPRESSIONS, Codec
+from .lowrank import LowRankCompressor
 from .topology import Topology
 
 
@@ -34,6 +41,7 @@ class ExchangeResult:
     residual: torch.Tensor | None  # what the first encode dropped (for error feedback)
     bytes_sent: int  # cross-worker wire bytes this rank handed to the network
     bytes_sent_intra_worker: int
+    choice: dict | None = None  # the adaptive setting this exchange used (step, rank, compression, reason)
 
 
 class OuterSyncError(RuntimeError):
@@ -116,10 +124,28 @@ class OuterExchange:
         self.delay_seconds: Callable[[], float] | None = None
         self.inline_when_blocking = True
         self._worker: _SerialWorker | None = None
+        # Adaptive compression: the policy, how to build another codec by name, the link throughput (configured, or
+        # measured by the previous exchange) and the log of choices.
+        self.policy: CompressionPolicy | None = None
+        self.codec_factory: Callable[[str], Codec] | None = None
+        self.assumed_link_bytes_per_second: float | None = None
+        self.link_bytes_per_second: float | None = None
+        self.choices: list[dict] = []
 
-    def launch(self, vector: torch.Tensor, description: str, blocking: bool = False) -> PendingExchange:
+    def launch(
+        self,
+        vector: torch.Tensor,
+        description: str,
+        blocking: bool = False,
+        compressor: LowRankCompressor | None = None,
+        context: dict | None = None,
+    ) -> PendingExchange:
+        """Start averaging `vector`; with `compressor`, average its low-rank approximation instead.
+
+        `context` tells an adaptive policy about the launch: `step`, `fragment`, `step_seconds`, `overlap_steps`.
+        """
         vector = vector.detach().to(torch.float32).contiguous()
-        job = _ExchangeJob(self, vector)
+        job = _ExchangeJob(self, vector, compressor, context or {})
         if blocking and self.inline_when_blocking:
             future: Future = Future()
             future.set_result(job())
@@ -133,52 +159,133 @@ class OuterExchange:
             self._worker.shutdown()
             self._worker = None
 
-    def wire_bytes(self, numel: int) -> int:
+    def wire_bytes(self, numel: int, codec: Codec | None = None) -> int:
         """Cross-worker bytes one rank sends to average a vector of `numel` elements (the formula `_ExchangeJob` counts)."""
-        chunk_numel = _padded_length(numel, self._granularity()) // (
+        codec = codec or self.codec
+        chunk_numel = _padded_length(numel, self._granularity(codec)) // (
             self.topology.data_parallel_size * self._workers()
         )
-        return 2 * (self._workers() - 1) * self.codec.encoded_nbytes(chunk_numel)
+        return 2 * (self._workers() - 1) * codec.encoded_nbytes(chunk_numel)
+
+    def codec_named(self, name: str) -> Codec:
+        if name == self.codec.name:
+            return self.codec
+        if self.codec_factory is None:
+            raise ValueError(f"This exchange has no codec factory to build compression={name!r}.")
+        return self.codec_factory(name)
 
     def _workers(self) -> int:
         return self.topology.num_workers
 
-    def _granularity(self) -> int:
-        return self.topology.data_parallel_size * self._workers() * self.codec.align
+    def _granularity(self, codec: Codec | None = None) -> int:
+        return self.topology.data_parallel_size * self._workers() * (codec or self.codec).align
 
 
 class _ExchangeJob:
-    def __init__(self, exchange: OuterExchange, vector: torch.Tensor):
+    def __init__(
+        self,
+        exchange: OuterExchange,
+        vector: torch.Tensor,
+        compressor: LowRankCompressor | None = None,
+        context: dict | None = None,
+    ):
         self.exchange = exchange
         self.vector = vector
+        self.compressor = compressor
+        self.context = context or {}
+        self.sent = self.intra = 0
+        self.link_seconds = 0.0
 
     def __call__(self) -> ExchangeResult:
-        ex, topo = self.exchange, self.exchange.topology
+        ex = self.exchange
+        started = time.perf_counter()
         if ex.delay_seconds is not None:
             time.sleep(ex.delay_seconds())
-        numel = self.vector.numel()
-        padded = torch.zeros(_padded_length(numel, ex._granularity()), dtype=torch.float32)
-        padded[:numel] = self.vector
+        self.link_seconds = time.perf_counter() - started
+        if self.compressor is None:
+            average, residual = self._average(self.vector, ex.codec)
+            return ExchangeResult(average, residual, self.sent, self.intra)
+        choice = self._decide() if ex.policy is not None else None
+        codec = ex.codec_named(choice["compression"]) if choice else ex.codec
+        # With data-parallel ranks inside a worker, each rank only knows the quantization residual of its own shard;
+        # dropping it keeps every rank's low-rank error feedback identical (the rank-r truncation is still kept).
+        keep_dropped = ex.topology.data_parallel_size == 1
+
+        def average(vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            averaged, dropped = self._average(vector, codec)
+            return averaged, dropped if keep_dropped else None
+
+        result = self.compressor.run(self.vector, average, rank=choice["rank"] if choice else None)
+        self.compressor.compression = codec.name
+        if self.sent > 0 and self.link_seconds > 0:
+            ex.link_bytes_per_second = self.sent / self.link_seconds
+        return ExchangeResult(result.average, result.residual, self.sent, self.intra, choice)
+
+    def _average(self, vector: torch.Tensor, codec: Codec) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Average one flat vector (see the module docstring); adds its bytes to `sent` / `intra`."""
+        ex, topo = self.exchange, self.exchange.topology
+        numel = vector.numel()
+        padded = torch.zeros(_padded_length(numel, ex._granularity(codec)), dtype=torch.float32)
+        padded[:numel] = vector
         shards = padded.chunk(topo.data_parallel_size)
         my_shard = shards[topo.dp_index]
         if topo.num_workers == 1 or topo.outer_group is None:
             averaged_shard, residual, sent = my_shard.clone(), None, 0
         else:
-            averaged_shard, residual, sent = self._average_across_workers(my_shard)
+            started = time.perf_counter()
+            averaged_shard, residual, sent = self._average_across_workers(my_shard, codec)
+            self.link_seconds += time.perf_counter() - started
         full, intra = self._gather_inside_worker(averaged_shard)
+        self.sent, self.intra = self.sent + sent, self.intra + intra
         if residual is not None:
             # Only this rank encodes its shard, so only that part of the residual ever matters here.
             padded_residual = torch.zeros_like(padded)
             padded_residual.chunk(topo.data_parallel_size)[topo.dp_index].copy_(residual)
             residual = padded_residual[:numel]
-        return ExchangeResult(full[:numel], residual, sent, intra)
+        return full[:numel], residual
 
-    def _average_across_workers(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        codec, group, workers = (
-            self.exchange.codec,
-            self.exchange.topology.outer_group,
-            self.exchange.topology.num_workers,
+    def _decide(self) -> dict:
+        """The policy's choice on the outer group's first rank, broadcast so that every rank uses the same one."""
+        ex, topo, compressor = self.exchange, self.exchange.topology, self.compressor
+        observation = Observation(
+            step=int(self.context.get("step", 0)),
+            rank=compressor.rank,
+            compression=compressor.compression,
+            link_bytes_per_second=ex.assumed_link_bytes_per_second or ex.link_bytes_per_second,
+            step_seconds=self.context.get("step_seconds"),
+            overlap_steps=int(self.context.get("overlap_steps", 0)),
+            captured_energy=compressor.captured_energy,
+            bytes_of=lambda rank, name: sum(
+                ex.wire_bytes(n, ex.codec_named(name)) for n in compressor.vector_lengths(rank)
+            ),
         )
+        choice = ex.policy.choose(observation)
+        decision = torch.tensor([choice.rank, COMPRESSIONS.index(choice.compression)], dtype=torch.int64)
+        decider = topo.layout.rank_at(0, 0, topo.stage_index)
+        if topo.num_workers > 1 and topo.outer_group is not None:
+            root = topo.outer_peers()[0]
+            dist.broadcast(decision, src=root, group=topo.outer_group)
+            self.sent += (topo.num_workers - 1) * decision.nbytes if topo.rank == root else 0
+        if topo.data_parallel_size > 1 and topo.data_parallel_sync_group is not None:
+            root = topo.layout.rank_at(topo.worker_index, 0, topo.stage_index)
+            dist.broadcast(decision, src=root, group=topo.data_parallel_sync_group)
+            self.intra += (topo.data_parallel_size - 1) * decision.nbytes if topo.rank == root else 0
+        rank, name = int(decision[0]), COMPRESSIONS[int(decision[1])]
+        reason = choice.reason if topo.rank == decider else f"decided by rank {decider}"
+        record = {
+            "step": observation.step,
+            "fragment": self.context.get("fragment"),
+            "rank": rank,
+            "compression": name,
+            "reason": reason,
+        }
+        ex.choices.append(record)
+        return record
+
+    def _average_across_workers(
+        self, shard: torch.Tensor, codec: Codec
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        group, workers = self.exchange.topology.outer_group, self.exchange.topology.num_workers
         chunks = shard.chunk(workers)
         chunk_numel = chunks[0].numel()
         encoded = [codec.encode(chunk) for chunk in chunks]

@@ -1,0 +1,152 @@
+"""Adaptive gradient compression: a pluggable policy that picks the low-rank rank and the bit width of each sync.
+
+Source: DiLoCoX (arXiv 2506.21263), adaptive gradient compression. The policy is asked once per outer sync, at the
+start of the exchange job; the outer group's first rank decides and broadcasts its choice (see `exchange.py`), so
+every worker uses the same setting. Write your own by subclassing `CompressionPolicy` and assigning it to
+`engine.exchange.policy`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# Bits per value on the wire, and a nominal relative squared error of each codec (absmax-scaled blocks of
+# Gaussian-like values; only their order and rough size matter to the policy).
+CODEC_BITS = {"fp4": 4, "int8": 8, "fp8": 8, "fp16": 16, "bf16": 16, "none": 32}
+CODEC_ERROR = {"fp4": 4e-2, "fp8": 1e-3, "int8": 2e-4, "bf16": 5e-6, "fp16": 1e-7, "none": 0.0}
+_LADDER = ("fp4", "fp8", "bf16", "none")
+
+
+@dataclass
+class Observation:
+    """What a policy sees when it chooses the setting of one outer sync.
+
+    Args:
+        step: inner step at which the fragment was launched.
+        rank: rank used by the previous sync of this fragment.
+        compression: codec used by the previous sync of this fragment.
+        link_bytes_per_second: measured (or configured) cross-worker throughput; None when not known yet.
+        step_seconds: measured compute time of one inner step; None when not known yet.
+        overlap_steps: inner steps of compute that this exchange overlaps (0 when it blocks training).
+        captured_energy: entry k-1 is the share of the pseudo-gradient's energy ||M||^2 that the best rank-k part
+            of the previous round's approximation captured (k = 1..rank); None when not known yet.
+        bytes_of: `bytes_of(rank, compression)`, the wire bytes this rank would send for one sync at that setting.
+    """
+
+    step: int
+    rank: int
+    compression: str
+    link_bytes_per_second: float | None
+    step_seconds: float | None
+    overlap_steps: int
+    captured_energy: Sequence[float] | None
+    bytes_of: Callable[[int, str], int]
+
+
+@dataclass(frozen=True)
+class Choice:
+    rank: int
+    compression: str
+    reason: str = ""
+
+
+class CompressionPolicy(abc.ABC):
+    """Chooses `(rank, compression)` for the next outer sync; must only use what the observation holds."""
+
+    @abc.abstractmethod
+    def choose(self, observation: Observation) -> Choice: ...
+
+
+class WindowEnergyPolicy(CompressionPolicy):
+    """The default policy: the most accurate setting whose exchange hides behind the compute it overlaps.
+
+    1. Rank ceiling from the spectrum (rank shrinks as the energy concentrates). With f(k) the share of the
+       pseudo-gradient's energy captured by the top k ranks of the previous round: if the current rank r captures
+       at least `energy_threshold` (f(r) >= X), the ceiling is the smallest candidate rank k with f(k) >= X;
+       otherwise the rank is too small for the spectrum and the ceiling is the next candidate rank above r.
+       Candidate ranks are `max_rank, max_rank / 2, ...` down to `min_rank`. Without a spectrum: the current rank.
+    2. Candidates: every candidate rank up to the ceiling, with every codec from `compressions` (fewest bits first).
+    3. Time budget: `window = step_seconds * overlap_steps`; a candidate fits when
+       `bytes_of(rank, compression) / link_bytes_per_second <= window`.
+    4. Among the candidates that fit, take the one with the smallest estimated error
+       `(1 - f(rank)) + CODEC_ERROR[compression]` (f(k) = f(r) above the current rank r, where nothing is known;
+       f(k) = k / max_rank without a spectrum),
+       ties broken by the larger rank, then fewer bytes. When none fits, take the candidate with the fewest bytes. When the link
+       throughput or the step time is not known yet, keep the current codec and take the ceiling rank.
+
+    Args:
+        max_rank: the largest rank (`lowrank_rank`).
+        min_rank: the smallest rank (`lowrank_min_rank`).
+        compressions: codecs the policy may use.
+        energy_threshold: X, the share of the energy the chosen rank should capture.
+    """
+
+    def __init__(self, max_rank: int, min_rank: int, compressions: Sequence[str], energy_threshold: float = 0.9):
+        if not 1 <= min_rank <= max_rank:
+            raise ValueError(f"lowrank_min_rank must be in [1, lowrank_rank={max_rank}], got {min_rank}.")
+        unknown = [c for c in compressions if c not in CODEC_BITS]
+        if unknown or not compressions:
+            raise ValueError(f"compression must be one of {', '.join(CODEC_BITS)}; got {list(compressions)!r}.")
+        self.ranks = _rank_ladder(max_rank, min_rank)
+        self.compressions = sorted(compressions, key=lambda c: (CODEC_BITS[c], CODEC_ERROR[c]))
+        self.energy_threshold = energy_threshold
+
+    def choose(self, observation: Observation) -> Choice:
+        ceiling, why_rank = self._rank_ceiling(observation)
+        link, step = observation.link_bytes_per_second, observation.step_seconds
+        if link is None or step is None:
+            return Choice(ceiling, observation.compression, f"{why_rank}; no throughput measurement yet")
+        window = step * observation.overlap_steps
+        candidates = [(r, c) for r in self.ranks if r <= ceiling for c in self.compressions]
+        timed = [(observation.bytes_of(r, c) / link if link > 0 else float("inf"), r, c) for r, c in candidates]
+        fitting = [item for item in timed if item[0] <= window]
+        if not fitting:
+            seconds, rank, codec = min(timed, key=lambda item: (item[0], -item[1], CODEC_ERROR[item[2]]))
+            return Choice(rank, codec, f"{why_rank}; nothing fits {window:.3g}s, fastest takes {seconds:.3g}s")
+        seconds, rank, codec = min(
+            fitting, key=lambda item: (self._error(observation, item[1], item[2]), -item[1], item[0])
+        )
+        return Choice(rank, codec, f"{why_rank}; {seconds:.3g}s fits the {window:.3g}s window")
+
+    def _rank_ceiling(self, observation: Observation) -> tuple[int, str]:
+        energy, current = observation.captured_energy, observation.rank
+        if not energy:
+            return self._snap(current), "no spectrum yet"
+        captured = energy[min(current, len(energy)) - 1]
+        threshold = self.energy_threshold
+        if captured >= threshold:
+            for rank in sorted(self.ranks):
+                if rank <= len(energy) and energy[rank - 1] >= threshold:
+                    return rank, f"rank {rank} captures {energy[rank - 1]:.1%} >= {threshold:.0%} of the energy"
+            return self._snap(current), f"rank {current} captures {captured:.1%}"
+        larger = [r for r in sorted(self.ranks) if r > current]
+        rank = larger[0] if larger else self.ranks[0]
+        return rank, f"rank {current} captures only {captured:.1%} < {threshold:.0%} of the energy"
+
+    def _snap(self, rank: int) -> int:
+        """The largest candidate rank not above `rank` (the smallest candidate if all are above)."""
+        below = [r for r in self.ranks if r <= rank]
+        return max(below) if below else min(self.ranks)
+
+    def _error(self, observation: Observation, rank: int, codec: str) -> float:
+        energy = observation.captured_energy
+        # Without a spectrum, assume a flat one: a rank captures its share of the largest rank.
+        captured = energy[min(rank, len(energy)) - 1] if energy else rank / self.ranks[0]
+        return (1.0 - captured) + CODEC_ERROR[codec]
+
+
+def policy_compressions(floor: str) -> list[str]:
+    """Codecs an adaptive run may use when `compression=floor`: `floor` and the ladder fp4 < fp8 < bf16 < none above it."""
+    above = [c for c in _LADDER if CODEC_BITS[c] > CODEC_BITS[floor]]
+    return [floor, *above]
+
+
+def _rank_ladder(max_rank: int, min_rank: int) -> list[int]:
+    ranks, rank = [], max_rank
+    while rank > min_rank:
+        ranks.append(rank)
+        rank //= 2
+    ranks.append(min_rank)
+    return sorted(set(ranks), reverse=True)
