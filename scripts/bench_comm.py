@@ -1,0 +1,225 @@
+"""Bytes on the wire and loss: DDP vs DiLoCo vs Streaming DiLoCo on the same model and tokens (2 gloo workers).
+
+    python scripts/bench_comm.py --steps 600 --methods ddp diloco streaming_fp4
+
+Every method trains the default small Llama (random init, same seed) with AdamW on the same stdlib token blocks, each
+worker on its own shard, for the same number of steps. Bytes are counted the same way for every method: what one
+rank hands to the network for cross-worker communication, with the collective's wire volume (ring all-reduce:
+2 (M-1)/M x payload; DiLoCo's all_to_all + all_gather: 2 (M-1) x chunk). DDP's bytes are counted by a DDP
+communication hook around its real all-reduce; DiLoCo's by the engine. Eval loss is on held-out stdlib files, with
+the global parameters for DiLoCo. Results go to a JSON file and a markdown table, and a PNG of loss vs tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+METHODS = {
+    "ddp": None,
+    "diloco": dict(inner_steps=100),
+    "streaming_fp4": dict(inner_steps=100, num_fragments=4, sync_delay=1, compression="fp4", error_feedback=False),
+    "streaming_fp4_ef": dict(inner_steps=100, num_fragments=4, sync_delay=1, compression="fp4", error_feedback=True),
+    "diloco_h50": dict(inner_steps=50),
+    "eager_fp4": dict(inner_steps=100, overlap="eager", compression="fp4"),
+    "delayed_fp4": dict(inner_steps=100, overlap="delayed", compression="fp4"),
+}
+
+
+def prepare_data(folder: Path, block_size: int) -> dict:
+    from hf_diloco.data import build_tokenizer, load_text_dataset, tokenize_and_group
+
+    raw = load_text_dataset({"max_train_samples": 200, "max_eval_samples": 12})
+    tokenizer = build_tokenizer({"vocab_size": 4096}, raw["train"]["text"])
+    blocks = tokenize_and_group(raw, tokenizer, block_size)
+    data = {
+        "train": torch.tensor(blocks["train"]["input_ids"]),
+        "eval": torch.tensor(blocks["validation"]["input_ids"]),
+        "vocab": len(tokenizer),
+        "ids": (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id),
+    }
+    torch.save(data, folder / "data.pt")
+    return data
+
+
+def _ddp_counting_hook(counter: dict, world: int):
+    def hook(state, bucket):
+        payload = bucket.buffer()
+        counter["bytes"] += 2 * (world - 1) * payload.numel() * payload.element_size() // world
+        work = dist.all_reduce(payload, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0] / world)
+
+    return hook
+
+
+def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(eval_ids), batch_size):
+            ids = eval_ids[start : start + batch_size]
+            total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
+            count += len(ids)
+    model.train()
+    return total / count
+
+
+def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
+    from hf_diloco import DiLoCo, DiLoCoConfig
+    from hf_diloco.modeling import build_model
+
+    data = torch.load(Path(folder) / "data.pt")
+    model = build_model(None, data["vocab"], *data["ids"], seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(args.steps, args.warmup))
+    engine, counter, trained = None, {"bytes": 0}, model
+    if METHODS[method] is None:
+        trained = torch.nn.parallel.DistributedDataParallel(model)
+        trained.register_comm_hook(None, _ddp_counting_hook(counter, world))
+    else:
+        engine = DiLoCo(model, optimizer, DiLoCoConfig(**METHODS[method]))
+    shard = data["train"][rank::world]
+    per_sync, previous_bytes, curve = [], 0, []
+    started = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        index = torch.arange((step - 1) * args.batch_size, step * args.batch_size) % len(shard)
+        ids = shard[index]
+        loss = trained(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        if engine is not None:
+            engine.step()
+            sent = engine.stats["bytes_sent"]
+            if sent > previous_bytes:
+                per_sync.append(sent - previous_bytes)
+                previous_bytes = sent
+        if step % args.log_every == 0 or step == args.steps:
+            curve.append((step, float(loss.detach())))
+    if engine is not None:
+        engine.close()
+        if engine.stats["bytes_sent"] > previous_bytes:
+            per_sync.append(engine.stats["bytes_sent"] - previous_bytes)
+        with engine.global_weights():
+            eval_loss = evaluate(model, data["eval"])
+        sent = engine.stats["bytes_sent"]
+    else:
+        eval_loss = evaluate(model, data["eval"])
+        sent = counter["bytes"]
+        per_sync = [sent // args.steps] * args.steps
+    tokens = args.steps * args.batch_size * data["train"].shape[1]
+    return {
+        "method": method,
+        "bytes_sent": sent,
+        "tokens_per_worker": tokens,
+        "bytes_per_token": sent / tokens,
+        "peak_bytes_per_sync": max(per_sync) if per_sync else 0,
+        "syncs": len(per_sync),
+        "eval_loss": eval_loss,
+        "train_curve": curve,
+        "seconds": time.perf_counter() - started,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _cosine(total: int, warmup: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=["ddp", "diloco", "streaming_fp4"], choices=list(METHODS))
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--block_size", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--log_every", type=int, default=10)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default="benchmarks/comm")
+    args = parser.parse_args(argv)
+    from tests.dist_utils import run_on_processes
+
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        prepare_data(Path(folder), args.block_size)
+        for method in args.methods:
+            print(f"running {method} ...", flush=True)
+            outcome = run_on_processes(worker, args.workers, method, args, folder, timeout_seconds=3600)
+            result = outcome[0]
+            result["bytes_sent_all_ranks"] = [r["bytes_sent"] for r in outcome]
+            results.append(result)
+            print(
+                f"{method}: eval loss {result['eval_loss']:.4f}, {result['bytes_per_token']:.2f} B/token, "
+                f"peak {result['peak_bytes_per_sync']} B/sync, {result['seconds']:.0f} s",
+                flush=True,
+            )
+    write_report(results, args, argv)
+    return results
+
+
+def write_report(results: list[dict], args: argparse.Namespace, argv: list[str] | None) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/bench_comm.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    baseline = next((r for r in results if r["method"] == "ddp"), None)
+    lines = [
+        f"`{command}` ({args.workers} workers, {args.steps} steps x {args.batch_size} x {args.block_size} tokens each)",
+        "",
+        "| method | bytes/token/worker | x fewer than DDP | peak bytes per sync | eval loss | vs DDP loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        fewer = (
+            f"{baseline['bytes_per_token'] / r['bytes_per_token']:.0f}x" if baseline and r["bytes_per_token"] else "-"
+        )
+        loss_gap = f"{100 * (r['eval_loss'] / baseline['eval_loss'] - 1):+.2f}%" if baseline else "-"
+        lines.append(
+            f"| {r['method']} | {r['bytes_per_token']:.2f} | {fewer} | {r['peak_bytes_per_sync']:,} | "
+            f"{r['eval_loss']:.4f} | {loss_gap} |"
+        )
+    Path(str(out) + ".md").write_text("\n".join(lines) + "\n")
+    Path(str(out) + ".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
+    _plot(results, Path(str(out) + ".png"), args)
+    print("\n".join(lines))
+
+
+def _plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    tokens_per_step = args.batch_size * args.block_size
+    for r in results:
+        steps, losses = zip(*r["train_curve"])
+        ax_loss.plot([s * tokens_per_step for s in steps], losses, label=r["method"])
+    ax_loss.set(xlabel="tokens per worker", ylabel="train loss (worker 0)", title="Loss vs tokens")
+    ax_loss.legend()
+    ax_bytes.bar([r["method"] for r in results], [r["bytes_per_token"] for r in results])
+    ax_bytes.set(yscale="log", ylabel="bytes sent per token per worker", title="Communication")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
