@@ -107,3 +107,13 @@ def test_pretrain_rejects_unknown_config_keys(tmp_path):
         [sys.executable, str(SCRIPT), "--config", str(path)], cwd=ROOT, env=env, capture_output=True, text=True
     )
     assert result.returncode != 0 and "inner_stepz" in result.stderr
+
+
+@pytest.mark.parametrize("config_path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_parses(config_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import pretrain
+
+    config = pretrain.load_config(str(config_path))
+    args = pretrain.parse_training_arguments(config, ["--use_cpu"])
+    assert args.output_dir
