@@ -1,0 +1,362 @@
+"""`DiLoCoPlugin`: DiLoCo for a raw Accelerate training loop.
+
+```python
+from accelerate import Accelerator
+from hf_diloco import DiLoCoPlugin
+
+accelerator = Accelerator()
+plugin = DiLoCoPlugin(inner_steps=100)  # fields not given come from DILOCO_* variables, then the defaults
+model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
+for batch in loader:
+    with accelerator.accumulate(model):
+        accelerator.backward(model(**batch).loss)
+        optimizer.step()  # the DiLoCo step runs here after every real inner optimizer step
+        scheduler.step()
+        optimizer.zero_grad()
+plugin.close()  # apply what is in flight; the model now holds the global parameters theta_g
+```
+
+What `prepare` does (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming DiLoCo, arXiv 2501.18512):
+
+- DDP runs over the worker's data-parallel group only, and not at all when a worker is one process, so nothing
+  crosses workers between outer syncs. Accelerate's prepared dataloaders shard by world rank, which gives every
+  (worker, data-parallel replica) pair its own shard.
+- The prepared optimizer's `step()` also advances the DiLoCo engine, once per real inner step: not on the
+  micro-batches of gradient accumulation (`accelerator.sync_gradients` is False there) and not when a GradScaler
+  skipped the step (`accelerator.optimizer_step_was_skipped`).
+- `accelerator.save_state(dir)` also writes `diloco_state_rank{rank}.pt` per rank (theta_g, outer optimizer, this
+  rank's parameters and inner optimizer, exchanges in flight) and `accelerator.load_state(dir)` restores it after
+  Accelerate's own files, so training continues bitwise. Resuming needs the same number of processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import DiLoCoConfig
+from .core.diloco import DiLoCo
+from .core.topology import Topology
+from .monitoring import ComputeUtilization
+
+ENV_PREFIX = "DILOCO_"
+STATE_NAME = "diloco_state_rank{rank}.pt"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(init=False, repr=False, eq=False)
+class DiLoCoPlugin(DiLoCoConfig):
+    """
+    A [`DiLoCoConfig`] for a raw Accelerate loop: fills the fields it is not given from `DILOCO_*` environment
+    variables (so `accelerate launch` and cluster launchers can configure it) or a YAML file, and prepares a model and
+    optimizer so that the DiLoCo step happens inside `optimizer.step()`.
+
+    Each field is set from the first of: an explicit keyword argument > its environment variable (`DILOCO_` + the
+    field name in upper case, e.g. `DILOCO_INNER_STEPS=50`, `DILOCO_COMPRESSION=int8`, `DILOCO_OUTER_NESTEROV=false`)
+    > the YAML file (`yaml_file=` or [`DiLoCoPlugin.from_yaml`]) > the field's default.
+
+    Args:
+        yaml_file (`str` or `Path`, *optional*): a YAML file of DiLoCo fields (flat, or under a `diloco:` key).
+        environ (`Mapping[str, str]`, *optional*): where to read `DILOCO_*` from; defaults to `os.environ`.
+        **fields: any [`DiLoCoConfig`] field.
+
+    Raises:
+        `ValueError`: a variable does not parse as its field's type (the message names the variable and the field),
+            a `DILOCO_*` variable names no field, or a value is invalid (the message names the field and where its
+            value came from). Raised before any process group or model work.
+
+    Attributes:
+        engine (`DiLoCo` or `None`): the engine, once [`~DiLoCoPlugin.prepare`] has run.
+        sources (`dict[str, str]`): where each field's value came from (`argument`, `DILOCO_X`, the YAML path or
+            `default`).
+    """
+
+    def __init__(
+        self, *, yaml_file: str | Path | None = None, environ: Mapping[str, str] | None = None, **fields: Any
+    ) -> None:
+        names = [f.name for f in dataclasses.fields(DiLoCoConfig)]
+        unknown = set(fields) - set(names)
+        if unknown:
+            raise TypeError(f"DiLoCoPlugin got unknown field(s) {sorted(unknown)}; the fields are {names}.")
+        layers = [
+            (fields, lambda name: "argument"),
+            (_values_from_env(os.environ if environ is None else environ), lambda name: _env_name(name)),
+            (_values_from_yaml(yaml_file), lambda name: str(yaml_file)),
+        ]
+        self.sources: dict[str, str] = {}
+        for field in dataclasses.fields(DiLoCoConfig):
+            value, source = field.default, "default"
+            for values, describe in layers:
+                if field.name in values:
+                    value, source = values[field.name], describe(field.name)
+                    break
+            setattr(self, field.name, value)
+            self.sources[field.name] = source
+        self.engine: DiLoCo | None = None
+        self._accelerator = None
+        self._utilization: ComputeUtilization | None = None
+        self._load_dir: str | None = None
+        try:
+            self.validate_diloco()
+        except ValueError as error:
+            origins = ", ".join(f"{n} from {s}" for n, s in self.sources.items() if s != "default")
+            raise ValueError(f"{error} (values not at their default: {origins or 'none'})") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> DiLoCoPlugin:
+        """Fields from a YAML file, below `DILOCO_*` variables and explicit `overrides` in precedence."""
+        return cls(yaml_file=path, **overrides)
+
+    def __repr__(self) -> str:
+        return f"DiLoCoPlugin({', '.join(f'{k}={v!r}' for k, v in self.diloco_dict().items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DiLoCoConfig) and self.diloco_dict() == other.diloco_dict()
+
+    __hash__ = None
+
+    # ------------------------------------------------------------------------------------------------ preparing
+
+    def prepare(self, accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any) -> tuple:
+        """
+        Prepare a model and its inner optimizer (and, like `accelerator.prepare`, any dataloaders and schedulers) for
+        DiLoCo training.
+
+        Args:
+            accelerator (`accelerate.Accelerator`): the loop's accelerator (it sets up the process group).
+            model (`nn.Module`): the model, not yet prepared.
+            optimizer (`torch.optim.Optimizer`): the inner optimizer over the model's parameters, not yet prepared.
+            *others: dataloaders, schedulers, ... passed on to `accelerator.prepare`.
+
+        Returns:
+            `tuple`: the prepared `(model, optimizer, *others)`, in the order given.
+        """
+        if self.engine is not None:
+            raise RuntimeError("This DiLoCoPlugin has already prepared a model; create one plugin per model.")
+        if self.pipeline_stages != 1:
+            raise ValueError(
+                f"pipeline_stages={self.pipeline_stages}: DiLoCoPlugin trains one full model replica per process; "
+                "use pipeline_stages=1."
+            )
+        self._accelerator = accelerator
+        topology = Topology.from_default_group(
+            pipeline_stages=1,
+            data_parallel_per_worker=self.data_parallel_per_worker,
+            timeout_seconds=self.sync_timeout_seconds,
+        )
+        prepared_model = self._prepare_model(accelerator, model, topology)
+        prepared_optimizer = accelerator.prepare_optimizer(optimizer)
+        prepared_others = accelerator.prepare(*others) if others else ()
+        prepared_others = prepared_others if isinstance(prepared_others, tuple) else (prepared_others,)
+        for obj in prepared_others:
+            _check_loader(obj)
+        unwrapped = accelerator.unwrap_model(prepared_model, keep_torch_compile=False)
+        self.engine = DiLoCo(unwrapped, prepared_optimizer.optimizer, self.diloco_config(), topology=topology)
+        self._utilization = ComputeUtilization(lambda: self.engine.stats["sync_wait_seconds"])
+        self._hook_training_step(unwrapped, prepared_optimizer)
+        self._hook_checkpointing(accelerator)
+        return (prepared_model, prepared_optimizer, *prepared_others)
+
+    def diloco_config(self) -> DiLoCoConfig:
+        """The fields as a plain [`DiLoCoConfig`]."""
+        return DiLoCoConfig(**self.diloco_dict())
+
+    def _prepare_model(self, accelerator: Any, model: nn.Module, topology: Topology) -> nn.Module:
+        from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+
+        from .trainer import _WorkerDDPKwargs
+
+        if accelerator.distributed_type == DistributedType.NO:
+            return accelerator.prepare_model(model)
+        if topology.data_parallel_group is None:
+            # A one-process worker has nobody to average gradients with: evaluation mode applies mixed precision,
+            # device placement and compilation without the DDP wrap.
+            return accelerator.prepare_model(model, evaluation_mode=True)
+        handler = accelerator.ddp_handler or DistributedDataParallelKwargs()
+        values = {f.name: getattr(handler, f.name) for f in dataclasses.fields(handler)}
+        accelerator.ddp_handler = _WorkerDDPKwargs(**values, process_group=topology.data_parallel_group)
+        return accelerator.prepare_model(model)
+
+    def _hook_training_step(self, model: nn.Module, optimizer: Any) -> None:
+        """Advance the engine after each real inner step, and time the steps for `diloco/compute_utilization`."""
+        inner_step = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            result = inner_step(*args, **kwargs)
+            if optimizer.gradient_state.sync_gradients:
+                if not optimizer.step_was_skipped:
+                    self.engine.step()
+                self._utilization.step_end()
+            return result
+
+        def mark_step_begin(module: nn.Module, args: Any) -> None:
+            if torch.is_grad_enabled():  # a training forward, not evaluation
+                self._utilization.step_begin()
+
+        optimizer.step = step
+        model.register_forward_pre_hook(mark_step_begin)
+
+    def _hook_checkpointing(self, accelerator: Any) -> None:
+        plugin = self
+
+        def save_hook(models: list, weights: list, output_dir: str) -> None:
+            plugin.save_state(output_dir)
+
+        def load_hook(models: list, input_dir: str) -> None:
+            plugin._load_dir = input_dir
+
+        class _RestoreAfterAccelerate:
+            # Accelerate loads registered objects last, after the model, optimizer and scheduler (which hold rank 0's
+            # state on every rank): the per-rank DiLoCo state then overwrites the parts that differ between ranks.
+            def state_dict(self) -> dict:
+                return {"per_rank_file": STATE_NAME}
+
+            def load_state_dict(self, state: dict) -> None:
+                plugin.load_state(plugin._load_dir)
+
+        accelerator.register_save_state_pre_hook(save_hook)
+        accelerator.register_load_state_pre_hook(load_hook)
+        accelerator.register_for_checkpointing(_RestoreAfterAccelerate())
+
+    # ------------------------------------------------------------------------------------------------ using it
+
+    @property
+    def inner_step(self) -> int:
+        """Inner optimizer steps completed (restored by `load_state`, so a resumed loop knows where it is)."""
+        return self._require_engine().inner_step
+
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        """fp32 theta_g by parameter name (identical on every rank)."""
+        return self._require_engine().global_parameters()
+
+    def global_weights(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """Context manager that loads theta_g into the model (to evaluate or save it); the local weights come back."""
+        return self._require_engine().global_weights()
+
+    def metrics(self) -> dict[str, float]:
+        """`diloco/*` scalars for `accelerator.log`, computed locally (no collective)."""
+        logs = self._require_engine().metrics()
+        logs["diloco/compute_utilization"] = self._utilization.value()
+        return logs
+
+    def close(self) -> None:
+        """Apply every exchange in flight and load theta_g into the model (call it after the loop)."""
+        engine = self._require_engine()
+        engine.close()
+        with torch.no_grad():
+            params = dict(engine.model.named_parameters())
+            for name, value in engine.global_parameters().items():
+                params[name].copy_(value)
+
+    def save_state(self, output_dir: str | Path) -> Path:
+        """Write this rank's DiLoCo state to `output_dir` (`accelerator.save_state` calls it by itself)."""
+        engine = self._require_engine()
+        path = Path(output_dir) / STATE_NAME.format(rank=self._process_index())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"engine": engine.state_dict(), "world_size": self._num_processes()}, path)
+        return path
+
+    def load_state(self, input_dir: str | Path) -> None:
+        """Restore this rank's DiLoCo state (`accelerator.load_state` calls it by itself, after its own files)."""
+        engine = self._require_engine()
+        path = Path(input_dir) / STATE_NAME.format(rank=self._process_index())
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: the state was saved without DiLoCo or by a run with a different number of "
+                f"processes (this run has {self._num_processes()})."
+            )
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state["world_size"] != self._num_processes():
+            raise ValueError(
+                f"{input_dir} was saved by {state['world_size']} processes, this run has {self._num_processes()}."
+            )
+        engine.load_state_dict(state["engine"])
+
+    def _require_engine(self) -> DiLoCo:
+        if self.engine is None:
+            raise RuntimeError("Call plugin.prepare(accelerator, model, optimizer) first.")
+        return self.engine
+
+    def _process_index(self) -> int:
+        return self._accelerator.process_index
+
+    def _num_processes(self) -> int:
+        return self._accelerator.num_processes
+
+
+def _env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _values_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    types = typing.get_type_hints(DiLoCoConfig)
+    by_variable = {_env_name(f.name): f.name for f in dataclasses.fields(DiLoCoConfig)}
+    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in by_variable)
+    if unknown:
+        raise ValueError(f"Unknown DiLoCo environment variable(s) {unknown}: the variables are {sorted(by_variable)}.")
+    values = {}
+    for variable, field in by_variable.items():
+        if variable in environ:
+            values[field] = _parse(variable, field, environ[variable], types[field])
+    return values
+
+
+def _parse(variable: str, field: str, text: str, kind: type) -> Any:
+    raw = text.strip()
+    if kind is bool:
+        if raw.lower() in _TRUE:
+            return True
+        if raw.lower() in _FALSE:
+            return False
+        raise ValueError(f"{variable}={text!r}: field {field} is a boolean (true/false, 1/0, yes/no, on/off).")
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{variable}={text!r}: field {field} must be an integer.") from None
+    if kind is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{variable}={text!r}: field {field} must be a number.") from None
+    return raw
+
+
+def _values_from_yaml(path: str | Path | None) -> dict[str, Any]:
+    """The DiLoCo fields a YAML file sets (flat, or under a `diloco:` key); validated together with the others."""
+    if path is None:
+        return {}
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of field names to values, got {type(data).__name__}.")
+    data = data.get("diloco", data)
+    names = {f.name for f in dataclasses.fields(DiLoCoConfig)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+def _check_loader(obj: Any) -> None:
+    """Refuse dataloader settings that make every epoch or batch a collective across workers."""
+    from accelerate.data_loader import DataLoaderDispatcher
+
+    if isinstance(obj, DataLoaderDispatcher):
+        raise ValueError(
+            "The accelerator dispatches batches (rank 0 reads every batch and broadcasts it across workers). DiLoCo "
+            "needs every rank to read its own shard: use Accelerator(dataloader_config=DataLoaderConfiguration("
+            "dispatch_batches=False))."
+        )
+    if getattr(obj, "rng_types", None):
+        raise ValueError(
+            f"This dataloader synchronizes the random state {obj.rng_types} across all ranks at every epoch (a "
+            "collective across workers). Use Accelerator(dataloader_config=DataLoaderConfiguration("
+            "use_seedable_sampler=True)) for a shuffled loader, or Accelerator(rng_types=[])."
+        )

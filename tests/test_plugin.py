@@ -1,0 +1,197 @@
+"""DiLoCoPlugin: DILOCO_* / YAML / argument precedence and errors (one process), and the raw Accelerate loop of
+examples/accelerate_loop.py on 2 torchrun processes against an independent plain-torch DiLoCo reference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_diloco import DiLoCoConfig, DiLoCoPlugin
+from hf_diloco.model_card import has_diloco_tag
+from tests.dist_utils import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+
+from accelerate_loop import build_model, random_token_rows  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------ configuration
+
+
+def test_fields_come_from_arguments_then_env_then_yaml_then_defaults(tmp_path):
+    config = tmp_path / "diloco.yaml"
+    config.write_text("diloco:\n  inner_steps: 20\n  outer_lr: 0.5\n  compression: bf16\n  num_fragments: 2\n")
+    env = {
+        "DILOCO_INNER_STEPS": "40",
+        "DILOCO_OUTER_LR": "0.25",
+        "DILOCO_OUTER_NESTEROV": "false",
+        "DILOCO_ERROR_FEEDBACK": "YES",
+        "DILOCO_GLOBAL_COPY_DEVICE": " cpu ",
+        "OTHER": "ignored",
+    }
+    plugin = DiLoCoPlugin.from_yaml(config, outer_lr=0.125, environ=env)
+    assert (plugin.inner_steps, plugin.outer_lr, plugin.compression, plugin.num_fragments) == (40, 0.125, "bf16", 2)
+    assert plugin.outer_nesterov is False and plugin.error_feedback is True and plugin.global_copy_device == "cpu"
+    assert plugin.outer_momentum == 0.9 and plugin.sync_delay == 0  # defaults
+    assert plugin.sources["outer_lr"] == "argument" and plugin.sources["inner_steps"] == "DILOCO_INNER_STEPS"
+    assert plugin.sources["compression"] == str(config) and plugin.sources["sync_delay"] == "default"
+    assert isinstance(plugin, DiLoCoConfig)
+    assert plugin.diloco_config() == DiLoCoConfig(
+        inner_steps=40, outer_lr=0.125, outer_nesterov=False, error_feedback=True, compression="bf16", num_fragments=2
+    )
+
+
+def test_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("DILOCO_INNER_STEPS", "12")
+    monkeypatch.setenv("DILOCO_NUM_FRAGMENTS", "3")
+    plugin = DiLoCoPlugin(sync_delay=1)
+    assert (plugin.inner_steps, plugin.num_fragments, plugin.sync_delay) == (12, 3, 1)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "field"),
+    [
+        ("DILOCO_INNER_STEPS", "ten", "inner_steps"),
+        ("DILOCO_INNER_STEPS", "2.5", "inner_steps"),
+        ("DILOCO_OUTER_LR", "fast", "outer_lr"),
+        ("DILOCO_OUTER_NESTEROV", "maybe", "outer_nesterov"),
+        ("DILOCO_SYNC_TIMEOUT_SECONDS", "", "sync_timeout_seconds"),
+    ],
+)
+def test_unparsable_value_names_variable_and_field(variable, value, field):
+    with pytest.raises(ValueError) as error:
+        DiLoCoPlugin(environ={variable: value})
+    assert variable in str(error.value) and field in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "field"),
+    [
+        ({"DILOCO_INNER_STEPS": "0"}, "inner_steps"),
+        ({"DILOCO_COMPRESSION": "int3"}, "compression"),
+        ({"DILOCO_OUTER_MOMENTUM": "1.0"}, "outer_momentum"),
+        ({"DILOCO_INNER_STEPS": "10", "DILOCO_NUM_FRAGMENTS": "3"}, "num_fragments"),
+    ],
+)
+def test_invalid_value_names_field_and_where_it_came_from(env, field):
+    with pytest.raises(ValueError) as error:
+        DiLoCoPlugin(environ=env)
+    message = str(error.value)
+    assert field in message and f"{field} from DILOCO_{field.upper()}" in message
+
+
+def test_unknown_variable_and_unknown_argument_are_refused():
+    with pytest.raises(ValueError, match="DILOCO_INNER_STEP'.*DILOCO_INNER_STEPS"):
+        DiLoCoPlugin(environ={"DILOCO_INNER_STEP": "10"})
+    with pytest.raises(TypeError, match="inner_step"):
+        DiLoCoPlugin(inner_step=10, environ={})
+
+
+def test_explicit_argument_overrides_a_bad_environment_value_only_if_it_parses():
+    # An explicit argument wins, but a malformed variable is still an error: it signals a broken launch config.
+    with pytest.raises(ValueError, match="DILOCO_INNER_STEPS"):
+        DiLoCoPlugin(inner_steps=8, environ={"DILOCO_INNER_STEPS": "x"})
+    assert DiLoCoPlugin(inner_steps=8, environ={"DILOCO_INNER_STEPS": "0"}).inner_steps == 8
+
+
+# ------------------------------------------------------------------------------------------------ 2-process loop
+
+H, STEPS, SAVE_AT, BATCH, LR, WORKERS = 4, 10, 6, 2, 3e-3, 2
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    """Plain-torch DiLoCo over 2 simulated workers (AdamW inside, Nesterov SGD outside, lr 0.7, momentum 0.9).
+
+    Accelerate's sharded loader hands batch i of the unshuffled loader to process i % 2, so worker w's step t reads
+    batch 2 (t - 1) + w."""
+    rows = random_token_rows(1024)
+    models = [build_model(0) for _ in range(WORKERS)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    glob = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    momentum: dict[str, torch.Tensor] = {}
+    for t in range(1, STEPS + 1):
+        for w, (model, optimizer) in enumerate(zip(models, optimizers)):
+            start = (2 * (t - 1) + w) * BATCH
+            batch = {k: torch.stack([r[k] for r in rows[start : start + BATCH]]) for k in ("input_ids", "labels")}
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if t % H:
+            continue
+        params = [dict(m.named_parameters()) for m in models]
+        for name in glob:
+            delta = sum(glob[name] - p[name].detach() for p in params) / WORKERS
+            momentum[name] = delta if name not in momentum else 0.9 * momentum[name] + delta
+            glob[name] = glob[name] - 0.7 * (delta + 0.9 * momentum[name])
+            with torch.no_grad():
+                for p in params:
+                    p[name].copy_(glob[name])
+    return glob
+
+
+@pytest.fixture(scope="module")
+def torchrun_loop(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plugin_loop")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", DILOCO_INNER_STEPS=str(H))
+    command = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        str(REPO / "tests" / "scripts" / "plugin_loop.py"), str(out), str(SAVE_AT),
+        "--use_cpu", "--max_steps", str(STEPS), "--batch_size", str(BATCH), "--learning_rate", str(LR),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+@pytest.mark.timeout(450)
+def test_two_process_loop_matches_reference_and_ranks_agree(torchrun_loop):
+    out, ranks = torchrun_loop
+    reference = _reference()
+    initial = dict(build_model(0).named_parameters())
+    for rank in ranks:
+        run = rank["full"]
+        assert run["inner_step"] == STEPS and run["stats"]["outer_steps"] == STEPS // H
+        for name, value in reference.items():
+            assert torch.equal(run["global"][name], ranks[0]["full"]["global"][name]), name
+            torch.testing.assert_close(run["global"][name], value, atol=1e-6, rtol=0)
+            assert not torch.equal(value, initial[name].detach()), f"{name} did not train"
+            # plugin.close() leaves the model holding theta_g.
+            assert torch.equal(run["local"][name], run["global"][name]), name
+        numel = sum(v.numel() for v in reference.values())
+        per_sync = 2 * (WORKERS - 1) * 4 * -(-numel // WORKERS)  # all_to_all + all_gather of fp32 halves
+        assert run["stats"]["bytes_sent"] == STEPS // H * per_sync
+
+
+@pytest.mark.timeout(450)
+def test_resume_from_accelerate_save_state_is_bitwise(torchrun_loop):
+    """accelerator.save_state at step 6 (mid-round: the workers' parameters differ from theta_g) and load_state in a
+    new loop continue exactly as the uninterrupted run, on both ranks."""
+    out, ranks = torchrun_loop
+    for rank_index, rank in enumerate(ranks):
+        state = torch.load(out / "full" / f"state-{SAVE_AT}" / f"diloco_state_rank{rank_index}.pt", weights_only=True)
+        assert state["engine"]["inner_step"] == SAVE_AT
+        assert not torch.equal(state["engine"]["local"][0], state["engine"]["global"][0])
+        for name, value in rank["full"]["global"].items():
+            assert torch.equal(rank["resumed"]["global"][name], value), name
+            assert torch.equal(rank["resumed"]["local"][name], rank["full"]["local"][name]), name
+    local_at_save = [
+        torch.load(out / "full" / f"state-{SAVE_AT}" / f"diloco_state_rank{r}.pt")["engine"]["local"][0]
+        for r in range(2)
+    ]
+    assert not torch.equal(*local_at_save), "the two workers must have read different shards"
+
+
+@pytest.mark.timeout(450)
+def test_saved_global_model_loads_and_has_card(torchrun_loop):
+    out, ranks = torchrun_loop
+    model = AutoModelForCausalLM.from_pretrained(out / "full" / "final")
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), ranks[0]["full"]["global"][name]), name
+    assert has_diloco_tag(out / "full" / "final" / "README.md")
