@@ -21,6 +21,7 @@ COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
 FRAGMENT_PATTERNS = ("strided", "sequential")
 OVERLAP_MODES = ("streaming", "delayed", "eager")
 SCALE_DTYPES = ("fp32", "bf16")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class DiLoCoConfig:
     Topology:
         pipeline_stages (`int`): pipeline stages inside one worker.
         data_parallel_per_worker (`int`): data-parallel replicas inside one worker (GPUs per node).
+        pipeline_schedule (`str`): micro-batch schedule of the pipeline, `1f1b` or `gpipe`.
+        pipeline_microbatches (`int`): micro-batches each batch is split into for the pipeline.
 
     Runtime:
         global_copy_device (`str`): where the fp32 global copy and outer optimizer state live.
@@ -126,6 +129,14 @@ class DiLoCoConfig:
     data_parallel_per_worker: int = field(
         default=1, metadata={"help": "Data-parallel replicas inside one worker (e.g. GPUs per node)."}
     )
+    pipeline_schedule: str = field(
+        default="1f1b",
+        metadata={"help": "Micro-batch schedule when pipeline_stages > 1.", "choices": list(PIPELINE_SCHEDULES)},
+    )
+    pipeline_microbatches: int = field(
+        default=2,
+        metadata={"help": "Micro-batches per batch when pipeline_stages > 1 (1f1b needs >= pipeline_stages)."},
+    )
     global_copy_device: str = field(
         default="cpu", metadata={"help": "Device of the fp32 global copy and outer optimizer state."}
     )
@@ -156,6 +167,17 @@ class DiLoCoConfig:
             raise ValueError("adaptive_compression needs lowrank_rank >= 1 (the largest rank the policy may pick).")
         _check_int("pipeline_stages", self.pipeline_stages, minimum=1)
         _check_int("data_parallel_per_worker", self.data_parallel_per_worker, minimum=1)
+        _check_int("pipeline_microbatches", self.pipeline_microbatches, minimum=1)
+        _check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if (
+            self.pipeline_stages > 1
+            and self.pipeline_schedule == "1f1b"
+            and self.pipeline_microbatches < self.pipeline_stages
+        ):
+            raise ValueError(
+                f"pipeline_microbatches ({self.pipeline_microbatches}) must be >= pipeline_stages "
+                f"({self.pipeline_stages}) with pipeline_schedule='1f1b'; raise it or use 'gpipe'."
+            )
         _check_float("outer_lr", self.outer_lr, low=0.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
         _check_float("merge_alpha", self.merge_alpha, low=0.0, high=1.0)
