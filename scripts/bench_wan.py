@@ -9,8 +9,9 @@ training) for the same number of steps, so every method sees the same tokens. Me
 - `ddp`: `DistributedDataParallel` over gloo, gradients all-reduced every step.
 - `diloco`: DiLoCo, H inner steps (100), fp32 pseudo-gradients, blocking sync.
 - `streaming`: Streaming DiLoCo, P = 4 fragments, tau = 1, fp4.
-- `diloco_x`: the package's DiLoCoX-style mode: one-round overlap with eager updates (Kale et al.) and fp4 with
-  error feedback. The package has no adaptive low-rank compression, so this is *not* the full DiLoCoX codec.
+- `diloco_x`: the package's DiLoCoX-style mode: one-round overlap with eager updates (Kale et al.) and adaptive
+  compression (PowerSGD rank <= `--lowrank-rank` and a codec from fp4 up, picked per sync by the package's default
+  policy to fit the compute window; error feedback). No pipeline parallelism (one process per worker).
 - `local`: the same two workers with no communication at all (the compute ceiling; independent of R).
 
 Setup traffic (process groups, DDP's and DiLoCo's initial weight broadcast) runs on an unlimited link; only the
@@ -60,7 +61,7 @@ METHOD_LABELS = {
     "ddp": "DDP (all-reduce every step)",
     "diloco": "DiLoCo (H={H}, fp32, blocking)",
     "streaming": "Streaming DiLoCo (P={P}, tau=1, fp4)",
-    "diloco_x": "DiLoCoX-style (eager overlap, fp4 + error feedback, no low-rank)",
+    "diloco_x": "DiLoCoX-style (eager overlap, adaptive PowerSGD rank <= {R} + codec >= fp4, error feedback)",
     "local": "local (no communication)",
 }
 MASTER_PORT = 29500  # inside our own namespace, so it cannot collide with anything else on the machine
@@ -106,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="Decoder layers (default 4).")
     parser.add_argument("--batch-size", type=int, help="Sequences per step per worker (default 2).")
     parser.add_argument("--seq-len", type=int, help="Tokens per sequence (default 128).")
+    parser.add_argument("--lowrank-rank", type=int, default=32, help="Largest PowerSGD rank of diloco_x.")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ddp-max-seconds", type=float, help="Wall-clock limit of one DDP timed loop (default 80).")
@@ -143,7 +145,16 @@ def diloco_config(method: str, spec: dict):
             num_fragments=spec["fragments"], sync_delay=1, overlap="streaming", compression="fp4", **common
         )
     if method == "diloco_x":
-        return DiLoCoConfig(num_fragments=1, overlap="eager", compression="fp4", error_feedback=True, **common)
+        return DiLoCoConfig(
+            num_fragments=1,
+            overlap="eager",
+            compression="fp4",
+            error_feedback=True,
+            lowrank_rank=spec["lowrank_rank"],
+            lowrank_min_rank=max(1, spec["lowrank_rank"] // 8),
+            adaptive_compression=True,
+            **common,
+        )
     return None
 
 
@@ -314,6 +325,7 @@ class _WorkerRun:
             "package_bytes_sent": None if self.engine is None else int(self.engine.stats["bytes_sent"]),
             "sync_wait_seconds": None if self.engine is None else float(self.engine.stats["sync_wait_seconds"]),
             "outer_steps": None if self.engine is None else int(self.engine.stats["outer_steps"]),
+            "compression_choices": [] if self.engine is None else list(getattr(self.engine.exchange, "choices", [])),
             "grad_bytes": self.grad_bytes,
             "train_loss_last": statistics.fmean(losses[-10:]),
             "eval_loss": self.evaluate(),
@@ -504,6 +516,7 @@ def combine(ranks: list[dict], rate: float | None, spec: dict) -> dict:
         "package_bytes_sent_per_rank": statistics.fmean(package) if package else None,
         "sync_wait_seconds": statistics.fmean(r["sync_wait_seconds"] or 0.0 for r in ranks),
         "outer_steps": ranks[0]["outer_steps"],
+        "compression_choices": ranks[0]["compression_choices"],
         "grad_bytes": ranks[0]["grad_bytes"],
         "train_loss_last10": statistics.fmean(r["train_loss_last"] for r in ranks),
         "eval_loss": statistics.fmean(r["eval_loss"] for r in ranks),
@@ -686,65 +699,76 @@ def plot(path: Path, report: dict) -> None:
 # ----------------------------------------------------------------------------------------------- main
 
 
-def run_benchmark(args: argparse.Namespace) -> dict:
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="bench_wan_"))
-    spec = {
-        key: getattr(args, key)
-        for key in (
-            "steps",
-            "inner_steps",
-            "fragments",
-            "hidden",
-            "layers",
-            "batch_size",
-            "seq_len",
-            "lr",
-            "seed",
-            "ddp_max_seconds",
-            "run_timeout",
-            "regime_ratio",
-        )
-    }
-    num_train = 2 * args.steps * args.batch_size
-    num_eval = 16
+SPEC_KEYS = (
+    "steps",
+    "inner_steps",
+    "fragments",
+    "lowrank_rank",
+    "hidden",
+    "layers",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "seed",
+    "ddp_max_seconds",
+    "run_timeout",
+    "regime_ratio",
+)
+NOTES = [
+    "Setup traffic (process groups, initial weight broadcasts) runs unlimited; only the timed loop runs at R.",
+    "DDP compute time uses its backward time measured without communication (no_sync calibration).",
+    "DDP runs stop at --ddp-max-seconds; their time per step is extrapolated from the completed steps.",
+    "utilization and speedups are steady state (training loop); *_incl_drain adds the final close() drain.",
+    "wire bytes: veth tx bytes per rank (payload, TCP/IP headers, ACKs; a GSO super-packet counts one header), "
+    "from /proc/net/dev in each namespace.",
+    "diloco_x: eager overlap + the package's adaptive low-rank/codec policy; no pipeline parallelism.",
+]
+
+
+def _sweep(args: argparse.Namespace, work: Path) -> tuple[dict, list[dict]]:
+    spec = {key: getattr(args, key) for key in SPEC_KEYS}
+    num_train, num_eval = 2 * args.steps * args.batch_size, 16
     data_path = work / "tokens.bin"
     build_token_blocks(data_path, num_train, num_eval, args.seq_len, args.seed)
     spec.update(data_path=str(data_path), num_train=num_train, num_eval=num_eval)
-    started, load_before = time.time(), os.getloadavg()
     link = SlowLink.create()
     _ACTIVE["link"] = link
     spec.update(devices=list(link.devices), addresses=list(link.addresses))
     runs: list[dict] = []
-    try:
-        for index, rate in enumerate(args.rate_list):
-            # The compute ceiling does not depend on the rate: measure it once, with the first rate's workers.
-            methods = [m for m in args.method_list if m != "local" or index == 0]
-            runs += run_rate(link, rate, methods, spec, work / f"rate_{index}")
-    finally:
-        _cleanup()
+    for index, rate in enumerate(args.rate_list):
+        # The compute ceiling does not depend on the rate: measure it once, with the first rate's workers.
+        methods = [m for m in args.method_list if m != "local" or index == 0]
+        runs += run_rate(link, rate, methods, spec, work / f"rate_{index}")
     for row in runs:
         if row["method"] == "local":
             row["rate_mbit"] = None
+    return spec, runs
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Run the sweep, always removing the namespaces, then write the JSON, markdown and PNG reports."""
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The pid in the name lets a test find this run's worker processes.
+    work = Path(tempfile.mkdtemp(prefix=f"bench_wan_{os.getpid()}_"))
+    started, load_before = time.time(), os.getloadavg()
+    try:
+        spec, runs = _sweep(args, work)
+    finally:
+        _cleanup()
+        shutil.rmtree(work, ignore_errors=True)
     report = {
         "command": "python " + " ".join([os.path.relpath(__file__, REPO_ROOT), *sys.argv[1:]]),
         "settings": spec | {"rates": args.rate_list, "methods": args.method_list},
-        "method_labels": {m: METHOD_LABELS[m].format(H=args.inner_steps, P=args.fragments) for m in METHODS},
+        "method_labels": {
+            m: METHOD_LABELS[m].format(H=args.inner_steps, P=args.fragments, R=args.lowrank_rank) for m in METHODS
+        },
         "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "wall_seconds": time.time() - started,
         "runs": runs,
         "summary": summarize(runs, spec),
-        "notes": [
-            "Setup traffic (process groups, initial weight broadcasts) runs unlimited; only the timed loop runs at R.",
-            "DDP compute time uses its backward time measured without communication (no_sync calibration).",
-            "DDP runs stop at --ddp-max-seconds; their time per step is extrapolated from the completed steps.",
-            "utilization and speedups are steady state (training loop); *_incl_drain adds the final close() drain.",
-            "wire bytes: veth tx bytes (payload + TCP/IP headers + ACKs) per rank, from /proc/net/dev in each netns.",
-            "diloco_x has no adaptive low-rank stage (the package has none): eager overlap + fp4 + error feedback.",
-        ],
+        "notes": NOTES,
     }
-    shutil.rmtree(work, ignore_errors=True)
     (out_dir / "wan_results.json").write_text(json.dumps(report, indent=1))
     write_markdown(out_dir / "wan_results.md", report)
     plot(out_dir / "wan_utilization.png", report)
