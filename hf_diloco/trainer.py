@@ -6,7 +6,8 @@ makes sure that nothing it does crosses workers between outer syncs, and hands e
 
 The default process group stays the whole world, so the Trainer's rank-based file names, `should_save` on global
 rank 0 and Accelerate's data sharding by world rank keep working (with `pipeline_stages == 1` world-rank sharding
-gives every (worker, data-parallel replica) pair its own shard). What changes:
+gives every (worker, data-parallel replica) pair its own shard; pipeline stages are `pipeline_trainer.py`'s). What
+changes:
 
 - DDP runs over the worker's data-parallel group only, and not at all when a worker is one process.
 - The token count of `average_tokens_across_devices`, the logged loss and `num_input_tokens_seen` are summed or
@@ -25,6 +26,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +39,9 @@ from transformers.utils import logging
 from .config import DiLoCoConfig
 from .core.diloco import DiLoCo
 from .core.topology import Topology
+from .model_card import write_model_card
+from .monitoring import ComputeUtilization
+from .pipeline_trainer import PipelineTrainerMixin
 
 logger = logging.get_logger(__name__)
 
@@ -107,16 +112,22 @@ class _WorkerDDPKwargs(DistributedDataParallelKwargs):
 
 
 class _DiLoCoStepCallback(TrainerCallback):
-    """Hands every inner optimizer step that really happened to the engine."""
+    """Hands every inner optimizer step that really happened to the engine, and times the steps."""
 
     def __init__(self, trainer: DiLoCoTrainer):
         self._trainer = trainer
 
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self._trainer._utilization is not None:
+            self._trainer._utilization.step_begin()
+
     def on_optimizer_step(self, args, state, control, **kwargs) -> None:
         self._trainer._diloco_step()
+        if self._trainer._utilization is not None:
+            self._trainer._utilization.step_end()
 
 
-class DiLoCoTrainer(Trainer):
+class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
     """
     A [`~transformers.Trainer`] that trains with DiLoCo: every worker runs the Trainer's own inner optimizer and LR
     schedule on its shard of the data, and the `DiLoCo` engine averages the workers' progress every `inner_steps`
@@ -135,6 +146,9 @@ class DiLoCoTrainer(Trainer):
           Resuming needs the same number of processes.
         - Logged `loss` is the worker's loss (averaged over its data-parallel processes), `num_input_tokens_seen`
           counts the worker's tokens, and `diloco/*` metrics come from the engine.
+        - With `pipeline_stages` > 1 each rank trains, syncs and keeps the state of its own pipeline stage only
+          (`trainer.pipeline_runner.stage_module`; the other stages' parameters in `trainer.model` are freed); see
+          [`~hf_diloco.pipeline_trainer.PipelineTrainerMixin`] for what changes.
     """
 
     def __init__(self, model: nn.Module | None = None, args: DiLoCoTrainingArguments | None = None, *pos, **kwargs):
@@ -145,13 +159,9 @@ class DiLoCoTrainer(Trainer):
                 f"DiLoCoTrainer needs DiLoCoTrainingArguments, got {type(args).__name__}: build them with the same "
                 "keywords plus the DiLoCo fields."
             )
-        if args.pipeline_stages != 1:
-            raise ValueError(
-                f"pipeline_stages={args.pipeline_stages}: DiLoCoTrainer trains one full model replica per process "
-                "(data_parallel_per_worker processes per worker); use pipeline_stages=1."
-            )
         self.diloco: DiLoCo | None = None
         self.diloco_topology: Topology | None = None
+        self._utilization: ComputeUtilization | None = None
         super().__init__(model, args, *pos, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
@@ -200,7 +210,14 @@ class DiLoCoTrainer(Trainer):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.diloco is not None:
             self.diloco.close()
-        self.diloco = DiLoCo(self.model, self.optimizer, self.args.diloco_config(), topology=self._get_topology())
+        self.diloco = DiLoCo(
+            self.diloco_module,
+            self.optimizer,
+            self.args.diloco_config(),
+            topology=self._get_topology(),
+            num_blocks=self.diloco_num_blocks,
+        )
+        self._utilization = ComputeUtilization(lambda: self.diloco.stats["sync_wait_seconds"])
         if resume_from_checkpoint is not None:
             self._load_diloco_state(resume_from_checkpoint)
         return model, train_dataloader
@@ -217,7 +234,7 @@ class DiLoCoTrainer(Trainer):
 
     @torch.no_grad()
     def _copy_global_parameters_into_model(self) -> None:
-        params = dict(self.model.named_parameters())
+        params = dict(self.diloco_module.named_parameters())
         for name, value in self.diloco.global_parameters().items():
             params[name].copy_(value)
 
@@ -235,9 +252,68 @@ class DiLoCoTrainer(Trainer):
             return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        context = self._global_weights() if self.args.should_save else contextlib.nullcontext()
+        """Save the global model theta_g and, on the saving process, its DiLoCo model card as `README.md`."""
+        # Pipeline stages all take part: each one's theta_g is gathered to the rank that writes.
+        takes_part = self.args.should_save or self.pipeline_runner is not None
+        context = self._global_weights() if takes_part else contextlib.nullcontext()
         with context:
             super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.should_save:
+            self._write_model_card(output_dir or self.args.output_dir)
+
+    def create_model_card(
+        self,
+        language: str | None = None,
+        license: str | None = None,
+        tags: str | list[str] | None = None,
+        model_name: str | None = None,
+        finetuned_from: str | None = None,
+        tasks: str | list[str] | None = None,
+        dataset_tags: str | list[str] | None = None,
+        dataset: str | list[str] | None = None,
+        dataset_args: str | list[str] | None = None,
+    ) -> None:
+        """
+        Write the DiLoCo model card (`hf_diloco.model_card`, with the `diloco` tag, the DiLoCo settings and the
+        measured communication) to `output_dir/README.md`, instead of the Trainer's generic card. `push_to_hub` calls
+        it before uploading. `language`, `license`, `tasks`, `dataset_tags` and `dataset_args` are not used.
+        """
+        if not self.is_world_process_zero():
+            return
+        extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
+        datasets = [dataset] if isinstance(dataset, str) else dataset
+        self._write_model_card(
+            self.args.output_dir,
+            model_name=model_name,
+            base_model=finetuned_from,
+            extra_tags=extra_tags,
+            datasets=datasets,
+        )
+
+    def _write_model_card(self, folder: str, **overrides: Any) -> None:
+        topology = self._get_topology()
+        stats = self.diloco.stats if self.diloco is not None else {}
+        exchanged = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        results = {}
+        for entry in self.state.log_history:
+            results.update({k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))})
+        kwargs = {
+            "settings": {**self.args.diloco_dict(), "num_workers": topology.num_workers},
+            "communication": {
+                "bytes_sent": stats.get("bytes_sent", 0),
+                "steps": self.diloco.inner_step if self.diloco is not None else 0,
+                "num_parameters": exchanged,
+                "outer_steps": stats.get("outer_steps", 0),
+                "sync_wait_seconds": stats.get("sync_wait_seconds", 0.0),
+            },
+            "data_description": _describe_dataset(self.train_dataset),
+            "base_model": _base_model_id(self.model),
+            "training_results": results or None,
+            "model_name": Path(folder).name if overrides.get("model_name") is None else overrides["model_name"],
+            "repo_id": self.args.hub_model_id,
+        }
+        kwargs.update({k: v for k, v in overrides.items() if v is not None and k != "model_name"})
+        write_model_card(folder, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
@@ -353,6 +429,7 @@ class DiLoCoTrainer(Trainer):
         logs["learning_rate"] = lr if lr is not None else self._get_learning_rate()
         if self.diloco is not None:
             logs.update(self.diloco.metrics())
+            logs["diloco/compute_utilization"] = self._utilization.value()
         self._total_loss_scalar += loss_scalar
         self._globalstep_last_logged = self.state.global_step
         self.store_flos()
@@ -363,6 +440,24 @@ class DiLoCoTrainer(Trainer):
         # batch shapes, so this rank's FLOs times the world size is the total, without talking to other workers.
         self.state.total_flos += self.current_flos * self.args.world_size
         self.current_flos = 0
+
+
+def _describe_dataset(dataset: Any) -> str:
+    if dataset is None:
+        return "Not recorded."
+    info = getattr(dataset, "info", None)
+    name = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None)
+    try:
+        size = f"{len(dataset):,} training examples"
+    except TypeError:
+        size = "a streamed dataset"
+    return f"`{name}`, {size}." if name else f"{size[0].upper()}{size[1:]}."
+
+
+def _base_model_id(model: nn.Module) -> str | None:
+    # A Hub id the training started from; not a random initialisation (empty) or a local folder.
+    name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return name if name and not os.path.isdir(name) and not os.path.isabs(name) else None
 
 
 @contextlib.contextmanager
