@@ -162,6 +162,7 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         self.diloco: DiLoCo | None = None
         self.diloco_topology: Topology | None = None
         self._utilization: ComputeUtilization | None = None
+        self._model_is_global = False  # after train(): the model holds theta_g (or the best checkpoint's)
         super().__init__(model, args, *pos, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
@@ -218,6 +219,7 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             num_blocks=self.diloco_num_blocks,
         )
         self._utilization = ComputeUtilization(lambda: self.diloco.stats["sync_wait_seconds"])
+        self._model_is_global = False
         if resume_from_checkpoint is not None:
             self._load_diloco_state(resume_from_checkpoint)
         return model, train_dataloader
@@ -230,6 +232,7 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         if self.diloco is not None:
             self.diloco.close()
             self._copy_global_parameters_into_model()
+            self._model_is_global = True
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     @torch.no_grad()
@@ -239,7 +242,11 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             params[name].copy_(value)
 
     def _global_weights(self) -> contextlib.AbstractContextManager:
-        return self.diloco.global_weights() if self.diloco is not None else contextlib.nullcontext()
+        # After training the model already holds theta_g, or the best checkpoint's weights with
+        # `load_best_model_at_end`, which swapping in the engine's last theta_g would silently replace.
+        if self.diloco is None or self._model_is_global:
+            return contextlib.nullcontext()
+        return self.diloco.global_weights()
 
     # ---- evaluation and saving use theta_g ----
 
