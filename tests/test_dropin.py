@@ -38,6 +38,8 @@ COMMON = [
     "--eval_strategy", "steps", "--eval_steps", str(SAVE_EVERY), "--save_strategy", "steps",
     "--save_steps", str(SAVE_EVERY), "--save_total_limit", str(LIMIT), "--load_best_model_at_end",
     "--metric_for_best_model", "eval_loss", "--report_to", "tensorboard", "--disable_tqdm", "true",
+    # "Best" = highest loss: an early checkpoint, so loading it at the end visibly differs from the last weights.
+    "--greater_is_better", "true",
 ]  # fmt: skip
 DILOCO = ["--use_diloco", "--inner_steps", str(H)]
 
@@ -65,6 +67,18 @@ def _params(output_dir: Path, rank: int) -> dict[str, torch.Tensor]:
 
 def _checkpoints(output_dir: Path) -> list[int]:
     return sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*"))
+
+
+def _best_step(output_dir: Path) -> int:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return int(state["best_model_checkpoint"].rsplit("-", 1)[1])
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    first, second = load_file(a), load_file(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
 
 
 def _num_parameters() -> int:
@@ -111,10 +125,9 @@ def test_one_process_swap_runs_like_the_trainer(one_process):
     assert set(hf_train_logs[0]) <= set(train_logs[0])
     # save_total_limit and load_best_model_at_end (the best checkpoint is kept on top of the newest).
     for folder in (hf, diloco):
-        state = json.loads((folder / "trainer_state.json").read_text())
-        best = int(state["best_model_checkpoint"].rsplit("-", 1)[1])
-        assert _checkpoints(folder) == sorted({best, STEPS} | ({STEPS - SAVE_EVERY} if best == STEPS else set()))
-        assert len(_checkpoints(folder)) <= LIMIT
+        best = _best_step(folder)
+        assert best < STEPS and _checkpoints(folder) == [best, STEPS]
+        _assert_same_weights(folder / "model.safetensors", folder / f"checkpoint-{best}" / "model.safetensors")
     # One worker sends nothing across workers; the card says so and the folder loads.
     _check_saved_folder(diloco, expected_bytes=0)
     assert not (hf / "README.md").exists() or not has_diloco_tag(hf / "README.md")
@@ -166,7 +179,9 @@ def test_two_processes_end_identical_and_save_loadable_folder_with_card(two_proc
         saved = load_file(folder / "model.safetensors")
         for name, value in first.items():
             assert torch.equal(saved[name].float(), value), name
-        assert len(_checkpoints(folder)) <= LIMIT
+        best = _best_step(folder)
+        assert best < STEPS and _checkpoints(folder) == [best, STEPS]
+        _assert_same_weights(folder / "model.safetensors", folder / f"checkpoint-{best}" / "model.safetensors")
     assert _events(two_processes / "full", 0) != [] and _events(two_processes / "full", 1) != []
 
 
@@ -175,11 +190,7 @@ def test_two_processes_resume_from_checkpoint_continues_exactly(two_processes):
     """Stopped after step 8 and resumed from checkpoint-8, the run's step-12 checkpoint (theta_g) and its logged
     losses after step 8 equal those of the uninterrupted run."""
     full, resumed = two_processes / "full", two_processes / "resumed"
-    assert load_file(full / "checkpoint-12" / "model.safetensors").keys()
-    a = load_file(full / "checkpoint-12" / "model.safetensors")
-    b = load_file(resumed / "checkpoint-12" / "model.safetensors")
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    _assert_same_weights(full / "checkpoint-12" / "model.safetensors", resumed / "checkpoint-12" / "model.safetensors")
 
     def losses(folder):
         state = json.loads((folder / "trainer_state.json").read_text())
