@@ -132,6 +132,19 @@ def test_zero_round_does_not_stall_the_warm_start():
     assert float(result.average.norm()) > 0.3 * float(signal.norm())
 
 
+def test_state_dict_resumes_the_warm_start_bitwise():
+    signal = _drifting_signal(3)
+    compressor = LowRankCompressor([(40, 30), (30,)], rank=2, max_rank=4, seed=SEED)
+    compressor.run(signal[0], _identity_average)
+    compressor.set_rank(3)
+    compressor.run(signal[1], _identity_average)
+    restored = LowRankCompressor([(40, 30), (30,)], rank=2, max_rank=4, seed=SEED)
+    restored.load_state_dict(compressor.state_dict())
+    expected = compressor.run(signal[2], _identity_average)
+    actual = restored.run(signal[2], _identity_average)
+    assert torch.equal(actual.average, expected.average) and torch.equal(actual.residual, expected.residual)
+
+
 # --------------------------------------------------------------------------------------------- the adaptive policy
 
 
