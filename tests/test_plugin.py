@@ -100,6 +100,30 @@ def test_explicit_argument_overrides_a_bad_environment_value_only_if_it_parses()
     assert DiLoCoPlugin(inner_steps=8, environ={"DILOCO_INNER_STEPS": "0"}).inner_steps == 8
 
 
+@pytest.mark.timeout(120)
+def test_engine_steps_once_per_real_inner_step_with_gradient_accumulation():
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    plugin = DiLoCoPlugin(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, environ={})
+    model = build_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(random_token_rows(16), batch_size=2)
+    model, optimizer, loader = plugin.prepare(accelerator, model, optimizer, loader)
+    for batch in loader:  # 8 micro-batches = 4 inner steps = 2 outer syncs
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert plugin.inner_step == 4 and plugin.engine.stats["outer_steps"] == 2
+    assert 0 < plugin.metrics()["diloco/compute_utilization"] <= 1
+    # One worker, outer SGD with lr 1 and no momentum: theta_g follows the model exactly.
+    for name, param in model.named_parameters():
+        assert torch.equal(plugin.global_parameters()[name], param.detach()), name
+    plugin.close()
+
+
 # ------------------------------------------------------------------------------------------------ 2-process loop
 
 H, STEPS, SAVE_AT, BATCH, LR, WORKERS = 4, 10, 6, 2, 3e-3, 2
@@ -195,3 +219,13 @@ def test_saved_global_model_loads_and_has_card(torchrun_loop):
     for name, param in model.named_parameters():
         assert torch.equal(param.detach(), ranks[0]["full"]["global"][name]), name
     assert has_diloco_tag(out / "full" / "final" / "README.md")
+
+
+@pytest.mark.timeout(450)
+def test_shuffled_loader_needs_the_seedable_sampler(torchrun_loop):
+    """On 2 processes a shuffled loader would have Accelerate broadcast its random state across workers every epoch:
+    refused, unless the seedable sampler (same seed everywhere, no collective) is configured."""
+    _, ranks = torchrun_loop
+    for rank in ranks:
+        assert "use_seedable_sampler=True" in rank["shuffled_default"]
+        assert rank["shuffled_seedable"] is None

@@ -9,7 +9,11 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples"))
 
-from accelerate_loop import parse_args, train  # noqa: E402
+from accelerate import Accelerator, DataLoaderConfiguration  # noqa: E402
+from accelerate_loop import build_model, parse_args, random_token_rows, train  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from hf_diloco import DiLoCoPlugin  # noqa: E402
 
 
 def snapshot(plugin) -> dict:
@@ -21,6 +25,18 @@ def snapshot(plugin) -> dict:
     }
 
 
+def prepare_shuffled(dataloader_config: DataLoaderConfiguration) -> str | None:
+    """The error `DiLoCoPlugin.prepare` raises for a shuffled loader under this config, or None."""
+    model = build_model(0)
+    loader = DataLoader(random_token_rows(8), batch_size=2, shuffle=True)
+    accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config)
+    try:
+        DiLoCoPlugin(environ={}).prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def main() -> None:
     out, save_at, *common = sys.argv[1:]
     full = train(parse_args([*common, "--output_dir", f"{out}/full", "--save_state_at", save_at]))
@@ -28,7 +44,10 @@ def main() -> None:
         parse_args([*common, "--output_dir", f"{out}/resumed", "--resume_from", f"{out}/full/state-{save_at}"])
     )
     rank = full._accelerator.process_index
-    torch.save({"full": snapshot(full), "resumed": snapshot(resumed)}, Path(out) / f"rank{rank}.pt")
+    results = {"full": snapshot(full), "resumed": snapshot(resumed)}
+    results["shuffled_default"] = prepare_shuffled(DataLoaderConfiguration())
+    results["shuffled_seedable"] = prepare_shuffled(DataLoaderConfiguration(use_seedable_sampler=True))
+    torch.save(results, Path(out) / f"rank{rank}.pt")
     full._accelerator.end_training()
 
 
