@@ -61,6 +61,9 @@ class DiLoCoConfig:
         pipeline_schedule (`str`): micro-batch schedule of the pipeline, `1f1b` or `gpipe`.
         pipeline_microbatches (`int`): micro-batches each batch is split into for the pipeline.
 
+    Robustness:
+        robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the median norm.
+
     Runtime:
         global_copy_device (`str`): where the fp32 global copy and outer optimizer state live.
         sync_timeout_seconds (`float`): how long an outer exchange may take before it is declared dead.
@@ -137,6 +140,13 @@ class DiLoCoConfig:
         default=2,
         metadata={"help": "Micro-batches per batch when pipeline_stages > 1 (1f1b needs >= pipeline_stages)."},
     )
+    robust_clip_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "Robust aggregation: scale down a worker's pseudo-gradient whose norm exceeds this factor times "
+            "the (lower) median norm of all workers. 0 = off."
+        },
+    )
     global_copy_device: str = field(
         default="cpu", metadata={"help": "Device of the fp32 global copy and outer optimizer state."}
     )
@@ -182,6 +192,12 @@ class DiLoCoConfig:
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
         _check_float("merge_alpha", self.merge_alpha, low=0.0, high=1.0)
         _check_float("sync_timeout_seconds", self.sync_timeout_seconds, low=0.0, low_open=True)
+        _check_float("robust_clip_factor", self.robust_clip_factor, low=0.0)
+        if 0 < self.robust_clip_factor < 1:
+            raise ValueError(
+                f"robust_clip_factor must be 0 (off) or >= 1, got {self.robust_clip_factor}: below 1 even the median "
+                "worker would be scaled down."
+            )
         _check_choice("fragment_pattern", self.fragment_pattern, FRAGMENT_PATTERNS)
         _check_choice("overlap", self.overlap, OVERLAP_MODES)
         _check_choice("compression", self.compression, COMPRESSIONS)

@@ -96,6 +96,7 @@ class DiLoCo:
             make_codec(config.compression, config.compression_block_size, config.compression_scale_dtype),
             config.sync_timeout_seconds,
             keep_residual=config.error_feedback,
+            clip_factor=config.robust_clip_factor,
         )
         self._lowrank = self._make_lowrank()
         self._step_seconds: float | None = None
@@ -107,6 +108,8 @@ class DiLoCo:
             "bytes_sent_intra_worker": 0,
             "sync_wait_seconds": 0.0,
             "skipped_nonfinite": 0,
+            "inner_state_resets": 0,
+            "clipped_contributions": 0,
             "pseudo_grad_norm": 0.0,
         }
         if self._lowrank is not None:
@@ -281,10 +284,13 @@ class DiLoCo:
         if result.choice is not None:
             self.stats["lowrank_rank"] = result.choice["rank"]
             self.stats["compression_bits"] = CODEC_BITS[result.choice["compression"]]
+        self.stats["clipped_contributions"] += int(result.clipped)
         average = result.average.to(self._device)
         if not bool(torch.isfinite(average).all()):
+            # Every worker decodes the same bytes, so every worker skips this round alike.
             self.stats["skipped_nonfinite"] += 1
             self._residual[fragment] = None
+            self._reset_nonfinite_inner_state(fragment)
             return None
         self._outer_step(fragment, average)
         self.stats["outer_steps"] += 1
@@ -336,6 +342,16 @@ class DiLoCo:
             )
             for fragment, names in enumerate(self._fragments)
         ]
+
+    def _reset_nonfinite_inner_state(self, fragment: int) -> None:
+        """A worker that produced NaN/inf would keep doing so from poisoned Adam moments: drop only those states."""
+        if self.inner_optimizer is None:
+            return
+        for name in self._fragments[fragment]:
+            state = self.inner_optimizer.state.get(self._params[name])
+            if state and any(torch.is_tensor(v) and not bool(torch.isfinite(v).all()) for v in state.values()):
+                self.inner_optimizer.state[self._params[name]] = {}
+                self.stats["inner_state_resets"] += 1
 
     def _wait(self, pending: PendingExchange) -> ExchangeResult:
         started = time.perf_counter()

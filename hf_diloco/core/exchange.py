@@ -41,6 +41,7 @@ class ExchangeResult:
     residual: torch.Tensor | None  # what the first encode dropped (for error feedback)
     bytes_sent: int  # cross-worker wire bytes this rank handed to the network
     bytes_sent_intra_worker: int
+    clipped: bool = False  # this rank's contribution was scaled down by robust aggregation
     choice: dict | None = None  # the adaptive setting this exchange used (step, rank, compression, reason)
 
 
@@ -100,8 +101,9 @@ class _SerialWorker:
             except BaseException as error:  # noqa: B036 - handed to the waiting thread
                 future.set_exception(error)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 10.0) -> None:
         self._jobs.put((None, None))
+        self._thread.join(timeout)  # a finished thread before the process group goes away
 
 
 class OuterExchange:
@@ -111,15 +113,25 @@ class OuterExchange:
         topology: the rank's groups; only `outer_group` and `data_parallel_sync_group` are used.
         codec: encodes what crosses workers.
         keep_residual: return what the first encode dropped (error feedback needs it).
+        clip_factor: robust aggregation; when > 0, a contribution whose norm exceeds `clip_factor` x the lower median
+            of all workers' norms is scaled down to that bound before it is encoded.
         timeout_seconds: how long `PendingExchange.wait` waits before raising `OuterSyncError`.
         delay_seconds: a callable returning seconds to sleep before each exchange (tests and benchmarks use it to
             emulate a slow link and to prove that nothing reads a buffer before its exchange finished).
     """
 
-    def __init__(self, topology: Topology, codec: Codec, timeout_seconds: float = 1800.0, keep_residual: bool = False):
+    def __init__(
+        self,
+        topology: Topology,
+        codec: Codec,
+        timeout_seconds: float = 1800.0,
+        keep_residual: bool = False,
+        clip_factor: float = 0.0,
+    ):
         self.topology = topology
         self.codec = codec
         self.keep_residual = keep_residual
+        self.clip_factor = clip_factor
         self.timeout_seconds = timeout_seconds
         self.delay_seconds: Callable[[], float] | None = None
         self.inline_when_blocking = True
@@ -202,9 +214,10 @@ class _ExchangeJob:
         if ex.delay_seconds is not None:
             time.sleep(ex.delay_seconds())
         self.link_seconds = time.perf_counter() - started
+        clipped = self._clip_outlier() if ex.clip_factor > 0 else False
         if self.compressor is None:
             average, residual = self._average(self.vector, ex.codec)
-            return ExchangeResult(average, residual, self.sent, self.intra)
+            return ExchangeResult(average, residual, self.sent, self.intra, clipped)
         choice = self._decide() if ex.policy is not None else None
         codec = ex.codec_named(choice["compression"]) if choice else ex.codec
         # With data-parallel ranks inside a worker, each rank only knows the quantization residual of its own shard;
@@ -219,7 +232,25 @@ class _ExchangeJob:
         self.compressor.compression = codec.name
         if self.sent > 0 and self.link_seconds > 0:
             ex.link_bytes_per_second = self.sent / self.link_seconds
-        return ExchangeResult(result.average, result.residual, self.sent, self.intra, choice)
+        return ExchangeResult(result.average, result.residual, self.sent, self.intra, clipped, choice=choice)
+
+    def _clip_outlier(self) -> bool:
+        """Robust aggregation: scale this contribution down to clip_factor x the lower median of all workers' norms."""
+        topo = self.exchange.topology
+        if topo.num_workers == 1 or topo.outer_group is None:
+            return False
+        norm = self.vector.norm().reshape(1)
+        norms = [torch.zeros_like(norm) for _ in range(topo.num_workers)]
+        dist.all_gather(norms, norm, group=topo.outer_group)
+        self.sent += (topo.num_workers - 1) * norm.nbytes
+        norms_tensor = torch.cat(norms)
+        if not bool(torch.isfinite(norms_tensor).all()):
+            return False  # a non-finite contribution poisons the average; the engine skips that round everywhere
+        bound = self.exchange.clip_factor * float(norms_tensor.median())  # lower median: meaningful for M = 2 too
+        if float(norm) <= bound:
+            return False
+        self.vector = self.vector * (bound / float(norm))
+        return True
 
     def _average(self, vector: torch.Tensor, codec: Codec) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Average one flat vector (see the module docstring); adds its bytes to `sent` / `intra`."""

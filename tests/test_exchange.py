@@ -1,0 +1,169 @@
+"""The outer exchange on real gloo processes: quantized averages, byte formulas, robust clipping, dead peers, NaN."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from hf_diloco import DiLoCo, DiLoCoConfig
+from hf_diloco.core.codecs import make_codec
+from hf_diloco.core.exchange import OuterExchange, OuterSyncError
+from hf_diloco.core.topology import Topology
+from tests.dist_utils import run_on_processes
+from tests.engine_common import INNER_LR, inner_step, tiny_model
+
+CODECS = ["none", "bf16", "fp16", "int8", "fp8", "fp4"]
+# Relative error of one encode, from the codec bounds (tests/test_codecs.py); the average is encoded twice.
+RELATIVE_BOUND = {"none": 0.0, "bf16": 2**-8, "fp16": 2**-10, "int8": 1 / 127, "fp8": 2**-3, "fp4": 0.5}
+
+
+def _vector(rank: int, numel: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(rank)
+    vector = torch.randn(numel, generator=generator)
+    vector[::97] *= 50  # outliers inside blocks
+    return vector
+
+
+def _exchange_every_codec(rank: int, world: int, numel: int) -> dict:
+    topology = Topology.from_default_group()
+    out = {}
+    for name in CODECS:
+        exchange = OuterExchange(topology, make_codec(name, block_size=64, scale_dtype="fp32"))
+        result = exchange.launch(_vector(rank, numel), f"test {name}").wait()
+        out[name] = (result.average, result.bytes_sent, exchange.wire_bytes(numel))
+        exchange.close()
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_quantized_average_and_bytes_on_the_wire(workers):
+    numel = 1000  # divides neither the block (64) nor the number of workers
+    results = run_on_processes(_exchange_every_codec, workers, numel)
+    exact = sum(_vector(rank, numel) for rank in range(workers)) / workers
+    scale = max(_vector(rank, numel).abs().max() for rank in range(workers))
+    for name in CODECS:
+        averages = [r[name][0] for r in results]
+        for other in averages[1:]:
+            assert torch.equal(averages[0], other), name  # every worker decodes the same bytes
+        error = (averages[0] - exact).abs().max()
+        assert error <= 2 * RELATIVE_BOUND[name] * scale + 1e-6, (name, float(error))
+        sent, formula = results[0][name][1], results[0][name][2]
+        assert sent == formula, name
+    # wire bytes: 2 (M-1) chunks of the padded vector; fp32 -> 4 B/elem, int8 -> ~1/4, fp4 -> ~1/8, plus scales
+    padded = -(-numel // (workers * 64)) * workers * 64
+    chunk = padded // workers
+    fp32_bytes = 2 * (workers - 1) * chunk * 4
+    assert results[0]["none"][1] == 2 * (workers - 1) * -(-numel // workers) * 4  # fp32 needs no block padding
+    assert results[0]["int8"][1] == 2 * (workers - 1) * (chunk + chunk // 64 * 4)
+    assert results[0]["fp4"][1] == 2 * (workers - 1) * (chunk // 2 + chunk // 64 * 4)
+    assert results[0]["fp4"][1] / fp32_bytes == pytest.approx(1 / 8 + 1 / 64, rel=1e-9)
+
+
+def _clip_case(rank: int, world: int) -> torch.Tensor:
+    topology = Topology.from_default_group()
+    exchange = OuterExchange(topology, make_codec("none"), clip_factor=3.0)
+    vector = torch.full((10,), [1.0, 1.2, 50.0][rank]) / 10**0.5  # norms 1, 1.2, 50
+    result = exchange.launch(vector, "clip").wait()
+    exchange.close()
+    return result.average, result.clipped
+
+
+@pytest.mark.timeout(120)
+def test_robust_clip_scales_an_outlier_to_factor_times_median():
+    results = run_on_processes(_clip_case, 3)
+    norms = [1.0, 1.2, 50.0]
+    bound = 3.0 * 1.2
+    contributions = [torch.full((10,), min(n, bound)) / 10**0.5 for n in norms]
+    expected = sum(contributions) / 3
+    for average, _ in results:
+        torch.testing.assert_close(average, expected)
+    assert [clipped for _, clipped in results] == [False, False, True]
+
+
+def _nan_worker(rank: int, world: int) -> dict:
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=2))
+    initial = {n: v.clone() for n, v in engine.global_parameters().items()}
+    snapshots = {}
+    for t in range(1, 7):
+        if rank == 1 and t == 1:
+            with torch.no_grad():
+                next(model.parameters()).mul_(float("nan"))  # this worker diverged
+        inner_step(model, optimizer, rank, t)
+        engine.step()
+        if t == 2:
+            snapshots["after_skip"] = {n: v.clone() for n, v in engine.global_parameters().items()}
+            snapshots["local_after_skip"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return {
+        "initial": initial,
+        **snapshots,
+        "final": {n: v.clone() for n, v in engine.global_parameters().items()},
+        "stats": dict(engine.stats),
+    }
+
+
+@pytest.mark.timeout(180)
+def test_non_finite_pseudo_gradient_skips_the_round_on_every_worker():
+    results = run_on_processes(_nan_worker, 2)
+    for result in results:
+        assert result["stats"]["skipped_nonfinite"] == 1
+        assert result["stats"]["outer_steps"] == 2  # rounds at steps 4 and 6 went through
+        for name, value in result["initial"].items():
+            assert torch.equal(result["after_skip"][name], value)  # theta_g untouched by the poisoned round
+            assert torch.equal(result["local_after_skip"][name], value)  # and every worker restarted from it
+        assert all(torch.isfinite(v).all() for v in result["final"].values())
+    assert results[1]["stats"]["inner_state_resets"] >= 1  # the diverged worker's Adam moments were dropped
+    for name in results[0]["final"]:
+        assert torch.equal(results[0]["final"][name], results[1]["final"][name])
+
+
+def _silent_peer(rank: int, world: int) -> dict:
+    topology = Topology.from_default_group(timeout_seconds=4)
+    if rank == 1:
+        time.sleep(12)  # alive but never joins the outer sync
+        os._exit(0)
+    exchange = OuterExchange(topology, make_codec("none"), timeout_seconds=3)
+    started = time.perf_counter()
+    try:
+        exchange.launch(torch.ones(10), "outer sync of fragment 0 with peers [0, 1]").wait()
+    except OuterSyncError as error:
+        return {"message": str(error), "seconds": time.perf_counter() - started}
+    return {"message": "", "seconds": time.perf_counter() - started}
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_stops_answering_gives_a_clear_error_not_a_hang():
+    import torch.multiprocessing as mp
+
+    from tests.dist_utils import free_port
+
+    port = free_port()
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    processes = [context.Process(target=_silent_peer_entry, args=(rank, port, queue)) for rank in range(2)]
+    for process in processes:
+        process.start()
+    outcome = queue.get()
+    for process in processes:
+        process.join(timeout=60)
+    assert "outer sync" in outcome["message"] and "peers [0, 1]" in outcome["message"], outcome
+    assert "sync_timeout_seconds" in outcome["message"] or "failed" in outcome["message"]
+    assert outcome["seconds"] < 15
+
+
+def _silent_peer_entry(rank: int, port: int, queue) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    result = _silent_peer(rank, 2)
+    queue.put(result)
+    os._exit(0)  # the outer-sync thread may still be blocked in gloo: do not wait for it
