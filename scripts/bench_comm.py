@@ -167,12 +167,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             result = outcome[0]
             result["bytes_sent_all_ranks"] = [r["bytes_sent"] for r in outcome]
             results.append(result)
+            write_report(results, args, argv)  # after every method, so a long sweep leaves partial results
             print(
                 f"{method}: eval loss {result['eval_loss']:.4f}, {result['bytes_per_token']:.2f} B/token, "
                 f"peak {result['peak_bytes_per_sync']} B/sync, {result['seconds']:.0f} s",
                 flush=True,
             )
-    write_report(results, args, argv)
     return results
 
 
