@@ -244,8 +244,9 @@ class PipelineTrainerMixin:
         totals = torch.zeros(2, dtype=torch.float64)  # sum of batch_size * batch loss, number of samples
         for inputs in dataloader:
             inputs = self._prepare_inputs(inputs)
+            divisor = self._local_num_items(inputs)
             with self.accelerator.autocast():
-                loss = self.pipeline_runner.eval_loss(self._pipeline_batch(inputs))
+                loss = self.pipeline_runner.eval_loss(self._pipeline_batch(inputs), divisor)
             rows = inputs["input_ids"].shape[0]
             totals += torch.tensor([rows * float(loss), rows], dtype=torch.float64)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
@@ -258,6 +259,18 @@ class PipelineTrainerMixin:
         samples = int(totals[1])
         metrics = {f"{metric_key_prefix}_loss": float(totals[0] / totals[1]) if samples else float("nan")}
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
+
+    def _local_num_items(self, inputs: dict[str, Any]) -> torch.Tensor | int | None:
+        """The Trainer's token count of one batch (its own rule: shifted labels or not), without any collective.
+
+        Eval shards may hold different numbers of batches (no repeated samples), so nothing may be gathered per batch.
+        """
+        previous = self.args.average_tokens_across_devices
+        self.args.average_tokens_across_devices = False
+        try:
+            return self._get_num_items_in_batch([inputs], self.args.device)
+        finally:
+            self.args.average_tokens_across_devices = previous
 
     # ---- saving and loading ----
 

@@ -1,0 +1,260 @@
+"""`DiLoCoTrainer` with `pipeline_stages` > 1 (DiLoCoX workers) against the same training without a pipeline.
+
+Same seed, model and data: 1 worker x 2 stages equals 1 worker x 1 stage, and 2 workers x 2 stages equals 2 workers
+x 1 stage (final theta_g within 1e-4, same logged losses and eval loss), for Llama (untied, padded batches) and GPT-2
+(tied head, a batch size that the micro-batches do not divide). The references run the ordinary `DiLoCoTrainer` on
+whole models. Saving a pipelined run gives one normal folder that `AutoModelForCausalLM` loads with theta_g of the
+stages; a mid-round checkpoint resumes bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from hf_diloco.core.pipeline import PipelineRunner
+from hf_diloco.pipeline_trainer import SafetensorsFolder
+from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
+from tests.dist_utils import run_on_processes
+
+VOCAB, SEQ, SAMPLES = 96, 12, 48
+H, STEPS, CHECKPOINT = 4, 8, 6
+ATOL = 1e-4
+
+
+def _model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+        model = LlamaForCausalLM(config)
+    else:
+        config = GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=4,
+            n_head=4,
+            n_positions=SEQ,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+        )
+        model = GPT2LMHeadModel(config)
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+def _dataset(padded: bool, seed: int = 1234) -> Dataset:
+    """Random tokens; with `padded`, every third row is right-padded and every fifth left-padded (labels -100)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[::3, SEQ - 4 :] = 0
+        mask[1::5, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
+
+
+# name -> (architecture, padded data, batch size, DiLoCo fields shared by the pipelined run and its reference)
+SCENARIOS = {
+    "llama": ("llama", True, 4, dict(num_fragments=2, fragment_pattern="strided")),
+    "gpt2": ("gpt2", False, 3, dict(num_fragments=1)),
+    # Sequential fragments: stage 0 (blocks 0-1 + embeddings) has nothing of fragment 1 (blocks 2-3).
+    "llama_2w": ("llama", True, 4, dict(num_fragments=2, fragment_pattern="sequential", overlap="eager")),
+}
+PIPELINE = {"llama": dict(pipeline_schedule="1f1b"), "gpt2": dict(pipeline_schedule="gpipe")}
+
+
+def _args(out: str, batch: int, **overrides) -> DiLoCoTrainingArguments:
+    values = dict(
+        output_dir=out,
+        use_cpu=True,
+        per_device_train_batch_size=batch,
+        per_device_eval_batch_size=5,  # the eval batches do not split evenly into micro-batches either
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+        inner_steps=H,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        pipeline_microbatches=2,
+    )
+    values.update(overrides)
+    return DiLoCoTrainingArguments(**values)
+
+
+def _train(scenario: str, out: str, resume: str | None = None, **overrides) -> DiLoCoTrainer:
+    arch, padded, batch, diloco = SCENARIOS[scenario]
+    trainer = DiLoCoTrainer(
+        model=_model(arch),
+        args=_args(out, batch, **diloco, **overrides),
+        train_dataset=_dataset(padded),
+        eval_dataset=_dataset(padded, seed=99).select(range(13)),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _summary(trainer: DiLoCoTrainer) -> dict:
+    return {
+        "global": {name: value.clone() for name, value in trainer.diloco.global_parameters().items()},
+        "losses": {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry},
+        "eval_loss": trainer.evaluate()["eval_loss"],
+        "fragments": trainer.diloco.fragment_names(),
+        "optimizer_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
+        "model_numel": sum(p.numel() for p in trainer.model.parameters()),
+    }
+
+
+def _two_processes(rank: int, world: int, out: str) -> dict:
+    results = {}
+    for scenario, pipeline in PIPELINE.items():
+        trainer = _train(scenario, f"{out}/{scenario}", pipeline_stages=2, **pipeline)
+        results[scenario] = _summary(trainer)
+        trainer.save_model(f"{out}/{scenario}_saved")
+    # Resume the Llama pipeline from a mid-round checkpoint (step 6, H = 4).
+    _train("llama", f"{out}/ckpt", pipeline_stages=2, save_strategy="steps", save_steps=CHECKPOINT)
+    resumed = _train("llama", f"{out}/resumed", resume=f"{out}/ckpt/checkpoint-{CHECKPOINT}", pipeline_stages=2)
+    results["resumed"] = _summary(resumed)
+    results["reference_2w"] = _summary(_train("llama_2w", f"{out}/reference_2w"))
+    return results
+
+
+def _four_processes(rank: int, world: int, out: str) -> dict:
+    trainer = _train("llama_2w", f"{out}/pipeline_2w", pipeline_stages=2)
+    return {"pipeline_2w": _summary(trainer), "stage": trainer.pipeline_runner.stage_index}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_trainer")
+    two = run_on_processes(_two_processes, 2, str(out), timeout_seconds=400)
+    four = run_on_processes(_four_processes, 4, str(out), timeout_seconds=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the spawned processes; tiny models run slower on more threads
+    try:
+        single = {scenario: _summary(_train(scenario, str(out / f"single_{scenario}"))) for scenario in PIPELINE}
+    finally:
+        torch.set_num_threads(threads)
+    return out, two, four, single
+
+
+def _merged(stages: list[dict]) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        assert not merged.keys() & stage.keys() - {"lm_head.weight"}, "stages must not share parameters"
+        merged.update(stage)
+    return merged
+
+
+def _assert_same_training(pipelined: list[dict], reference: dict, arch: str, same_eval: bool = True) -> None:
+    merged = _merged([rank["global"] for rank in pipelined])
+    assert set(reference["global"]) <= set(merged)
+    initial = dict(_model(arch).named_parameters())
+    for name, value in reference["global"].items():
+        assert not torch.equal(value, initial[name].detach()), f"{name} did not train"
+        torch.testing.assert_close(merged[name], value, rtol=0, atol=ATOL, msg=name)
+    if "lm_head.weight" in merged and "lm_head.weight" not in reference["global"]:  # tied: head = embedding
+        embedding = "transformer.wte.weight" if "transformer.wte.weight" in merged else "model.embed_tokens.weight"
+        assert torch.equal(merged["lm_head.weight"], merged[embedding])
+    for rank in pipelined:
+        assert rank["losses"].keys() == reference["losses"].keys()
+        for step, loss in reference["losses"].items():
+            assert rank["losses"][step] == pytest.approx(loss, abs=ATOL), step
+        if same_eval:
+            assert rank["eval_loss"] == pytest.approx(reference["eval_loss"], abs=ATOL)
+
+
+def _eval_loss_of(state: dict[str, torch.Tensor], arch: str, padded: bool, batch: int = 5) -> float:
+    """The Trainer's eval loss without repeated samples: each batch's HF loss, weighted by its number of rows."""
+    model = _model(arch).eval()
+    model.load_state_dict(state, strict=False)
+    data = _dataset(padded, seed=99).select(range(13))
+    tensors = {key: torch.tensor(data[key]) for key in ("input_ids", "attention_mask", "labels")}
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(data), batch):
+            loss = model(**{key: value[start : start + batch] for key, value in tensors.items()}).loss
+            total += float(loss) * len(tensors["input_ids"][start : start + batch])
+    return total / len(data)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("scenario", list(PIPELINE))
+def test_one_worker_two_stages_equals_no_pipeline(runs, scenario):
+    _, two, _, single = runs
+    _assert_same_training([two[0][scenario], two[1][scenario]], single[scenario], SCENARIOS[scenario][0])
+    # Dual optimizer policy: each stage's inner optimizer and theta_g cover its own parameters only.
+    for rank in two:
+        run = rank[scenario]
+        own = sum(value.numel() for value in run["global"].values())
+        assert run["optimizer_params"] == own < sum(v.numel() for v in single[scenario]["global"].values())
+        assert run["model_numel"] == own, "the other stages' parameters must be freed"
+
+
+@pytest.mark.timeout(900)
+def test_two_workers_two_stages_equal_two_workers_one_stage(runs):
+    _, two, four, _ = runs
+    reference = two[0]["reference_2w"]
+    assert reference["losses"] != two[1]["reference_2w"]["losses"], "the workers must read different shards"
+    for worker in range(2):
+        ranks = [four[worker * 2]["pipeline_2w"], four[worker * 2 + 1]["pipeline_2w"]]
+        assert [four[worker * 2 + s]["stage"] for s in range(2)] == [0, 1]
+        # Evaluation differs on purpose: Accelerate's world sharding completes the last eval batch with repeated
+        # samples (whose loss then counts), while the pipelines' eval shards hold every sample exactly once.
+        _assert_same_training(ranks, two[worker]["reference_2w"], "llama", same_eval=False)
+        expected = _eval_loss_of(_merged([rank["global"] for rank in ranks]), "llama", padded=True)
+        for rank in ranks:
+            assert rank["eval_loss"] == pytest.approx(expected, abs=1e-5)
+    # Stage 0 holds none of fragment 1 (sequential fragments): an empty fragment syncs without a hang.
+    assert four[0]["pipeline_2w"]["fragments"][1] == []
+    for rank in (0, 1):  # workers end with bitwise-identical theta_g of each stage
+        for name, value in four[rank]["pipeline_2w"]["global"].items():
+            assert torch.equal(value, four[rank + 2]["pipeline_2w"]["global"][name]), name
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("scenario", list(PIPELINE))
+def test_saved_pipelined_model_is_one_normal_folder(runs, scenario):
+    out, two, _, _ = runs
+    folder = out / f"{scenario}_saved"
+    expected = _merged([two[0][scenario]["global"], two[1][scenario]["global"]])
+    loaded = AutoModelForCausalLM.from_pretrained(folder)
+    state = loaded.state_dict()
+    assert set(state) == set(expected)
+    for name, tensor in state.items():
+        assert torch.equal(tensor, expected[name]), name
+    # The folder loads back into another stage count, reading only that stage's tensors.
+    runner = PipelineRunner(_model(SCENARIOS[scenario][0]), 0, 1)
+    runner.load_stage_state(SafetensorsFolder(str(folder)))
+    for name, tensor in runner.stage_module.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+
+
+@pytest.mark.timeout(900)
+def test_pipelined_run_resumes_bitwise_from_mid_round_checkpoint(runs):
+    _, two, _, _ = runs
+    for rank in two:
+        full, resumed = rank["llama"], rank["resumed"]
+        for name, value in full["global"].items():
+            assert torch.equal(resumed["global"][name], value), name
+        ran = {step: loss for step, loss in resumed["losses"].items() if step > CHECKPOINT}
+        assert ran == {step: loss for step, loss in full["losses"].items() if step > CHECKPOINT}
