@@ -36,6 +36,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.utils import logging
 
+from .checkpointing import last_complete_checkpoint, verify_checkpoint, write_manifest
 from .config import DiLoCoConfig
 from .core.diloco import DiLoCo
 from .core.topology import Topology
@@ -204,6 +205,44 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             self.accelerator.distributed_type != DistributedType.NO
             and self._get_topology().data_parallel_group is None
         )
+
+    # ---- atomic checkpoints ----
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`Trainer.train`; `resume_from_checkpoint=True` picks the newest *complete* checkpoint, and a named one is
+        verified against its manifest first (an incomplete or corrupt checkpoint raises `CheckpointError`)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output_dir {self.args.output_dir} to resume from.")
+        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            verify_checkpoint(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        # Rotation is postponed until the new checkpoint is complete, so a crash while saving never leaves only a
+        # half-written checkpoint behind.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank has written its files
+        if self.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+            run_dir = self._get_output_dir(trial=trial)
+            write_manifest(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # nobody resumes or rotates against a checkpoint still being published
 
     # ---- engine lifecycle ----
 

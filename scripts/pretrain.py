@@ -85,10 +85,15 @@ def build_datasets(config: dict[str, Any], args, tokenizer_dir: Path):
     return tokenizer, blocks
 
 
-def last_checkpoint(output_dir: str) -> str | None:
+def last_checkpoint(output_dir: str, use_diloco: bool) -> str | None:
+    """The newest checkpoint to resume from: for DiLoCo runs, the newest *complete* one (see hf_diloco.checkpointing)."""
     from transformers.trainer_utils import get_last_checkpoint
 
-    return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    from hf_diloco.checkpointing import last_complete_checkpoint
+
+    if not os.path.isdir(output_dir):
+        return None
+    return last_complete_checkpoint(output_dir) if use_diloco else get_last_checkpoint(output_dir)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     resume = args.resume_from_checkpoint
     if resume is None and config.get("auto_resume", True):
-        resume = last_checkpoint(args.output_dir)
+        resume = last_checkpoint(args.output_dir, trainer_class is DiLoCoTrainer)
     train_result = trainer.train(resume_from_checkpoint=resume)
     trainer.save_model()
     metrics = dict(train_result.metrics)

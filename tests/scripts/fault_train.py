@@ -1,0 +1,86 @@
+"""A small DiLoCoTrainer job for the fault tests: optionally SIGKILLs one rank once, mid-round, at a given step.
+
+    torchrun --nproc_per_node 2 --max-restarts 1 tests/scripts/fault_train.py --output_dir OUT [--kill_at_step 10]
+
+It resumes by itself from the newest complete checkpoint in OUT (as scripts/pretrain.py does), and appends every
+inner step it runs to OUT/steps_rank{r}.log so the test can count redone work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--kill_at_step", type=int, default=0)
+    parser.add_argument("--kill_rank", type=int, default=1)
+    cli = parser.parse_args()
+
+    from datasets import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, default_data_collator
+
+    from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
+    from hf_diloco.checkpointing import last_complete_checkpoint
+
+    args = DiLoCoTrainingArguments(
+        output_dir=cli.output_dir,
+        max_steps=16,
+        per_device_train_batch_size=2,
+        learning_rate=3e-3,
+        save_steps=4,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        dataloader_pin_memory=False,
+        disable_tqdm=True,
+        inner_steps=4,
+        num_fragments=2,
+        sync_delay=1,
+    )
+    rank = args.process_index
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128, (96, 16), generator=generator)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    model = LlamaForCausalLM(config)
+    marker = Path(cli.output_dir) / "killed_once"
+    step_log = Path(cli.output_dir) / f"steps_rank{rank}.log"
+
+    class FaultCallback(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            with open(step_log, "a") as handle:
+                handle.write(f"{state.global_step}\n")
+            if rank == cli.kill_rank and state.global_step == cli.kill_at_step and not marker.exists():
+                marker.write_text("x")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = DiLoCoTrainer(
+        model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=[FaultCallback()]
+    )
+    trainer.train(resume_from_checkpoint=last_complete_checkpoint(cli.output_dir))
+    trainer.save_model(os.path.join(cli.output_dir, "final"))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
