@@ -167,3 +167,35 @@ def _silent_peer_entry(rank: int, port: int, queue) -> None:
     result = _silent_peer(rank, 2)
     queue.put(result)
     os._exit(0)  # the outer-sync thread may still be blocked in gloo: do not wait for it
+
+
+def _mismatched_start(rank: int, world: int, case: str) -> str:
+    kwargs = {"inner_steps": 4}
+    layers = 4
+    if case == "config" and rank == 1:
+        kwargs["inner_steps"] = 8
+    if case == "compression" and rank == 1:
+        kwargs["compression"] = "fp4"
+    if case == "model" and rank == 1:
+        layers = 2
+    try:
+        DiLoCo(tiny_model(layers=layers), None, DiLoCoConfig(**kwargs))
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", ["config", "compression", "model"])
+def test_settings_that_differ_between_workers_fail_at_start_on_every_rank(case):
+    messages = run_on_processes(_mismatched_start, 2, case)
+    expected = "differ between ranks" if case != "model" else "different model shapes"
+    assert all(expected in message for message in messages), messages
+
+
+def test_checkpoint_with_other_settings_is_refused():
+    engine = DiLoCo(tiny_model(), None, DiLoCoConfig(inner_steps=4))
+    state = engine.state_dict()
+    other = DiLoCo(tiny_model(), None, DiLoCoConfig(inner_steps=8))
+    with pytest.raises(ValueError, match="different DiLoCo settings"):
+        other.load_state_dict(state)
