@@ -41,6 +41,7 @@ from accelerate.data_loader import prepare_data_loader
 from safetensors import safe_open
 from torch import nn
 from torch.utils.data import DataLoader
+from transformers import TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
 from .core.pipeline import IGNORE_INDEX, PipelineRunner, count_loss_tokens
@@ -92,18 +93,69 @@ class PipelineTrainerMixin:
             device=args.device,
         )
         _free_other_stages(self.model, self.pipeline_runner.stage_module)
+        parts, stage = self.pipeline_runner.parts, self.pipeline_runner.stage_index
+        self._tied_pair = parts.tied and stage in (0, args.pipeline_stages - 1)
+        self._engine_module = _without(
+            self.pipeline_runner.stage_module, self.pipeline_runner.stage_module.tied_copy_names
+        )
+        if self._tied_pair:
+            self.add_callback(_TiedCopyCallback(self))
 
     # ---- what the DiLoCo engine trains ----
 
     @property
     def diloco_module(self) -> nn.Module:
         """The module whose parameters the engine syncs: this rank's stage, or the whole model without a pipeline."""
-        return self.model if self.pipeline_runner is None else self.pipeline_runner.stage_module
+        return self.model if self.pipeline_runner is None else self._engine_module
 
     @property
     def diloco_num_blocks(self) -> int | None:
         """Length of the whole block stack, so fragments follow global block indices on every stage."""
         return None if self.pipeline_runner is None else self.pipeline_runner.parts.num_layers
+
+    # ---- tied embeddings: the first stage's copy is the one the outer loop syncs ----
+    #
+    # A tied matrix lives on the first and the last stage. Inner steps keep the two copies identical (summed
+    # gradients, same optimizer), but two outer syncs would not: each stage quantizes and low-rank-compresses its own
+    # flat vector, so the copies would drift apart. Only the first stage's copy is synced; the last stage receives
+    # it after every step (and at start and end), and around evaluation and saving, where it must be theta_g.
+
+    def _sync_tied_copy(self) -> None:
+        """Copy the first stage's embedding into the last stage's head (point to point inside the pipeline)."""
+        runner = self.pipeline_runner
+        if runner is None or not self._tied_pair:
+            return
+        group = self._get_topology().pipeline_group
+        if runner.is_first:
+            weight = runner.stage_module.get_submodule(runner.parts.embed_tokens).weight.detach()
+            dist.send(weight.contiguous(), dst=dist.get_global_rank(group, runner.num_stages - 1), group=group)
+            return
+        head = runner.stage_module.get_submodule(runner.parts.head).weight
+        received = torch.empty_like(head)
+        dist.recv(received, src=dist.get_global_rank(group, 0), group=group)
+        with torch.no_grad():
+            head.copy_(received)
+
+    @contextlib.contextmanager
+    def _tied_copy_from_first_stage(self) -> Iterator[None]:
+        """While the stages hold theta_g (evaluation, saving), the last stage's head is theta_g too."""
+        runner = self.pipeline_runner
+        if runner is None or not self._tied_pair or runner.is_first:
+            self._sync_tied_copy()
+            yield
+            return
+        head = runner.stage_module.get_submodule(runner.parts.head).weight
+        saved = head.detach().clone()
+        self._sync_tied_copy()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                head.copy_(saved)
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        self._sync_tied_copy()  # theta_g was just copied into the stages
+        return super()._finalize_training(trial, num_train_samples, start_time)
 
     # ---- optimizer, model wrapping, training step, clipping ----
 
@@ -240,6 +292,19 @@ class PipelineTrainerMixin:
             return super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
+        with self._tied_copy_from_first_stage():
+            totals = self._pipeline_eval_sums(dataloader)
+        if self._get_topology().stage_index != 0:
+            totals.zero_()  # every stage of a pipeline saw the same loss: count each pipeline once
+        if dist.is_available() and dist.is_initialized():
+            totals = totals.to(self.args.device)
+            dist.all_reduce(totals)
+            totals = totals.cpu()
+        samples = int(totals[1])
+        metrics = {f"{metric_key_prefix}_loss": float(totals[0] / totals[1]) if samples else float("nan")}
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
+
+    def _pipeline_eval_sums(self, dataloader: DataLoader) -> torch.Tensor:
         self.model.eval()
         totals = torch.zeros(2, dtype=torch.float64)  # sum of batch_size * batch loss, number of samples
         for inputs in dataloader:
@@ -250,15 +315,7 @@ class PipelineTrainerMixin:
             rows = inputs["input_ids"].shape[0]
             totals += torch.tensor([rows * float(loss), rows], dtype=torch.float64)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-        if self._get_topology().stage_index != 0:
-            totals.zero_()  # every stage of a pipeline saw the same loss: count each pipeline once
-        if dist.is_available() and dist.is_initialized():
-            totals = totals.to(self.args.device)
-            dist.all_reduce(totals)
-            totals = totals.cpu()
-        samples = int(totals[1])
-        metrics = {f"{metric_key_prefix}_loss": float(totals[0] / totals[1]) if samples else float("nan")}
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
+        return totals
 
     def _local_num_items(self, inputs: dict[str, Any]) -> torch.Tensor | int | None:
         """The Trainer's token count of one batch (its own rule: shifted labels or not), without any collective.
@@ -278,7 +335,8 @@ class PipelineTrainerMixin:
         if self.pipeline_runner is None or state_dict is not None:
             return super()._save(output_dir, state_dict=state_dict)
         # Every pipeline gathers on its first stage (inside the worker only); the rank that writes is one of those.
-        state_dict = self.pipeline_runner.gather_state_dict(dst=0)
+        with self._tied_copy_from_first_stage():
+            state_dict = self.pipeline_runner.gather_state_dict(dst=0)
         if not self.args.should_save:
             return None
         if state_dict is None:
@@ -312,6 +370,19 @@ class PipelineTrainerMixin:
         return None
 
 
+class _TiedCopyCallback(TrainerCallback):
+    """Keeps the last stage's tied head equal to the first stage's embedding (see `_sync_tied_copy`)."""
+
+    def __init__(self, trainer: PipelineTrainerMixin):
+        self._trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs) -> None:
+        self._trainer._sync_tied_copy()  # after a resume, the head came from the folder, the embedding from the state
+
+    def on_step_end(self, args, state, control, **kwargs) -> None:
+        self._trainer._sync_tied_copy()  # the outer sync may just have written the embedding
+
+
 class SafetensorsFolder(Mapping):
     """Read-only, lazy mapping from tensor name to tensor over a `save_pretrained` folder (one file or sharded).
 
@@ -342,6 +413,21 @@ class SafetensorsFolder(Mapping):
 
     def __len__(self) -> int:
         return len(self._files)
+
+
+def _without(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
+    """A view of `module` (same submodules, same parameter names) without the top-level children named in `names`."""
+    skip = {name.split(".")[0] for name in names}
+    for child_name in skip:  # only whole children made of excluded parameters (a tied head has no bias)
+        if any(f"{child_name}.{n}" not in names for n, _ in module.get_submodule(child_name).named_parameters()):
+            raise ValueError(f"{child_name} holds parameters besides {names}; cannot leave it to another stage.")
+    if not skip:
+        return module
+    view = nn.Module()
+    for child_name, child in module.named_children():
+        if child_name not in skip:
+            view.add_module(child_name, child)
+    return view
 
 
 def _free_other_stages(model: nn.Module, stage_module: nn.Module) -> None:

@@ -140,7 +140,16 @@ def _two_processes(rank: int, world: int, out: str) -> dict:
 
 def _four_processes(rank: int, world: int, out: str) -> dict:
     trainer = _train("llama_2w", f"{out}/pipeline_2w", pipeline_stages=2)
-    return {"pipeline_2w": _summary(trainer), "stage": trainer.pipeline_runner.stage_index}
+    results = {"pipeline_2w": _summary(trainer), "stage": trainer.pipeline_runner.stage_index}
+    # Tied head, lossy outer sync (fp4 + delayed overlap): the stages' copies of the tied matrix must stay equal.
+    lossy = _train(
+        "gpt2", f"{out}/lossy", pipeline_stages=2, pipeline_schedule="gpipe", compression="fp4", overlap="delayed"
+    )
+    lossy.save_model(f"{out}/lossy_saved")
+    stage = dict(lossy.pipeline_runner.stage_module.named_parameters())
+    results["tied"] = stage["transformer.wte.weight" if rank % 2 == 0 else "lm_head.weight"].detach().clone()
+    results["tied_in_engine"] = "lm_head.weight" in lossy.diloco.global_parameters()
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -206,8 +215,11 @@ def test_one_worker_two_stages_equals_no_pipeline(runs, scenario):
     for rank in two:
         run = rank[scenario]
         own = sum(value.numel() for value in run["global"].values())
-        assert run["optimizer_params"] == own < sum(v.numel() for v in single[scenario]["global"].values())
-        assert run["model_numel"] == own, "the other stages' parameters must be freed"
+        # GPT-2's last stage trains its copy of the tied head, but the outer loop syncs the first stage's copy only.
+        tied_copy = VOCAB * 32 if scenario == "gpt2" and rank is two[1] else 0
+        assert ("lm_head.weight" in run["global"]) == (scenario == "llama" and rank is two[1])
+        assert run["optimizer_params"] == own + tied_copy < sum(v.numel() for v in single[scenario]["global"].values())
+        assert run["model_numel"] == own + tied_copy, "the other stages' parameters must be freed"
 
 
 @pytest.mark.timeout(900)
@@ -232,11 +244,27 @@ def test_two_workers_two_stages_equal_two_workers_one_stage(runs):
 
 
 @pytest.mark.timeout(900)
+def test_tied_copies_stay_equal_through_lossy_outer_syncs(runs):
+    """Only the first stage syncs the tied matrix; the last stage's head follows it (2 workers, fp4, delayed)."""
+    out, _, four, _ = runs
+    for worker in range(2):
+        first, last = four[2 * worker], four[2 * worker + 1]
+        assert torch.equal(first["tied"], last["tied"])
+        assert not last["tied_in_engine"]
+    assert torch.equal(four[0]["tied"], four[2]["tied"])
+    loaded = AutoModelForCausalLM.from_pretrained(out / "lossy_saved")
+    assert torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight)
+    assert torch.equal(loaded.transformer.wte.weight.detach(), four[0]["tied"])
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("scenario", list(PIPELINE))
 def test_saved_pipelined_model_is_one_normal_folder(runs, scenario):
     out, two, _, _ = runs
     folder = out / f"{scenario}_saved"
     expected = _merged([two[0][scenario]["global"], two[1][scenario]["global"]])
+    if "transformer.wte.weight" in expected:  # tied: the head is the embedding
+        expected["lm_head.weight"] = expected["transformer.wte.weight"]
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     state = loaded.state_dict()
     assert set(state) == set(expected)
