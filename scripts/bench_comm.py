@@ -33,6 +33,18 @@ METHODS = {
     "diloco_h50": dict(inner_steps=50),
     "eager_fp4": dict(inner_steps=100, overlap="eager", compression="fp4"),
     "delayed_fp4": dict(inner_steps=100, overlap="delayed", compression="fp4"),
+    "diloco_fp4": dict(inner_steps=100, compression="fp4"),
+    "lowrank8_fp4": dict(inner_steps=100, overlap="eager", compression="fp4", lowrank_rank=8),
+    # The adaptive policy sees a link emulated at 20 kB/s, so the fp4 model (~0.7 MB per round) does not fit in the
+    # round of compute it overlaps: the DiLoCoX regime (107B parameters over 1 Gbit/s) scaled to a 1.4M model.
+    "adaptive_fp4": dict(
+        inner_steps=100,
+        overlap="eager",
+        compression="fp4",
+        lowrank_rank=32,
+        adaptive_compression=True,
+        adaptive_link_bytes_per_second=20000.0,
+    ),
 }
 
 
