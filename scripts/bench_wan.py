@@ -76,6 +76,7 @@ FULL_PROFILE = {
     "batch_size": 2,
     "seq_len": 128,
     "ddp_max_seconds": 80.0,
+    "regime_rate": "auto",
     "out_dir": "benchmarks",
 }
 QUICK_PROFILE = {
@@ -87,6 +88,7 @@ QUICK_PROFILE = {
     "batch_size": 2,
     "seq_len": 64,
     "ddp_max_seconds": 20.0,
+    "regime_rate": "none",
     "out_dir": "outputs/bench_wan_quick",
 }
 
@@ -113,6 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ddp-max-seconds", type=float, help="Wall-clock limit of one DDP timed loop (default 80).")
     parser.add_argument("--run-timeout", type=float, default=300.0, help="Seconds before a stuck run is killed.")
     parser.add_argument("--regime-ratio", type=float, default=300.0, help="Target DDP comm/compute ratio.")
+    parser.add_argument(
+        "--regime-rate",
+        help="Rate (Mbit/s) for the speedup-over-DDP comparison; 'auto' adds one rate after the sweep where DDP's "
+        "comm/compute ratio should be --regime-ratio (extrapolated from its slowest run) unless a swept rate is "
+        "within 25%% of it (the default); 'none' (the --quick default) uses the closest swept rate.",
+    )
     parser.add_argument("--out-dir", help="Where results go (default benchmarks/, quick: outputs/bench_wan_quick).")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: path of a worker spec JSON
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -228,7 +236,6 @@ class _WorkerRun:
     """One method on one rank: model, optimizer, and the DDP wrapper or DiLoCo engine."""
 
     def __init__(self, method: str, spec: dict, rank: int, blocks):
-        import torch
         from torch.nn.parallel import DistributedDataParallel
 
         from hf_diloco import DiLoCo
@@ -246,14 +253,14 @@ class _WorkerRun:
         elif method in DILOCO_METHODS:
             self.engine = DiLoCo(self.model, self.optimizer, diloco_config(method, spec))
         self.grad_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.calibration = self._calibrate(torch)
+        self.calibration = self._calibrate()
 
     def batch(self, step: int):
         size, shard = self.spec["batch_size"], self.train[self.rank :: 2]
         index = [(step * size + i) % len(shard) for i in range(size)]
         return shard[index]
 
-    def _calibrate(self, torch) -> dict:
+    def _calibrate(self) -> dict:
         """Warm-up forward/backward passes without optimizer step or communication; DDP's backward compute time."""
         import contextlib
 
@@ -433,7 +440,10 @@ def _start_workers(link: SlowLink, spec_path: Path, control: Path) -> list[subpr
 def _await(paths: list[Path], procs: list[subprocess.Popen], timeout: float, control: Path, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
-        dead = [(rank, p.returncode) for rank, p in enumerate(procs) if p.poll() is not None]
+        # A worker that exited 0 has finished every method; only a failure or both gone without results is fatal.
+        dead = [(rank, p.returncode) for rank, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if not dead and all(p.poll() == 0 for p in procs) and not all(p.exists() for p in paths):
+            dead = [(0, 0)]
         if dead:
             rank, code = dead[0]
             tail = (control / f"worker{rank}.log").read_text()[-2000:]
@@ -580,12 +590,22 @@ def _ddp_rate_estimate(ddp: dict[float, dict]) -> float | None:
     return rate * row["comm_seconds_per_step"] / allowed
 
 
+def ddp_compute_reference(ddp_rows: list[dict]) -> float:
+    """DDP's compute time per step, the median over its runs: it does not depend on the rate, and one run of a
+    step or two (the low rates) is at the mercy of whatever else the machine's CPUs are doing."""
+    return statistics.median(r["compute_seconds_per_step"] for r in ddp_rows)
+
+
 def _regime(ddp: dict[float, dict], by_method: dict, target: float) -> dict:
-    rate = min(ddp, key=lambda r: abs(math.log(max(ddp[r]["comm_compute_ratio"], 1e-9) / target)))
+    compute = ddp_compute_reference(list(ddp.values()))
+    ratios = {rate: row["comm_seconds_per_step"] / compute for rate, row in ddp.items()}
+    rate = min(ddp, key=lambda r: abs(math.log(max(ratios[r], 1e-9) / target)))
     base = ddp[rate]
     regime = {
         "rate_mbit": rate,
-        "ddp_comm_compute_ratio": base["comm_compute_ratio"],
+        "ddp_comm_compute_ratio": ratios[rate],
+        "ddp_compute_seconds_per_step_median": compute,
+        "ddp_comm_compute_ratio_own_compute": base["comm_compute_ratio"],
         "ddp_steps_completed": base["steps_done"],
         "ddp_seconds_per_step": base["seconds_per_step"],
         "ddp_seconds_for_all_steps": base["seconds_per_step"] * base["steps_target"],
@@ -646,9 +666,11 @@ def write_markdown(path: Path, report: dict) -> None:
         lines += [
             "",
             f"Regime: at {regime['rate_mbit']:g} Mbit/s DDP's communication per step is "
-            f"{regime['ddp_comm_compute_ratio']:.0f}x its compute ({regime['ddp_seconds_per_step']:.2f} s/step"
+            f"{regime['ddp_comm_compute_ratio']:.0f}x its compute (median compute "
+            f"{regime['ddp_compute_seconds_per_step_median']:.3f} s/step over the DDP runs; "
+            f"{regime['ddp_seconds_per_step']:.2f} s/step in all"
             + (
-                f", extrapolated from the {regime['ddp_steps_completed']} steps it completed within the time limit"
+                f", extrapolated from the {regime['ddp_steps_completed']} step(s) it completed within the time limit"
                 if regime["ddp_extrapolated"]
                 else ""
             )
@@ -739,10 +761,35 @@ def _sweep(args: argparse.Namespace, work: Path) -> tuple[dict, list[dict]]:
         # The compute ceiling does not depend on the rate: measure it once, with the first rate's workers.
         methods = [m for m in args.method_list if m != "local" or index == 0]
         runs += run_rate(link, rate, methods, spec, work / f"rate_{index}")
+    extra = regime_rate(args, runs)
+    if extra is not None:
+        print(f"[bench_wan] adding {extra:g} Mbit/s, where DDP's comm/compute ratio should be ~{args.regime_ratio:g}")
+        methods = [m for m in args.method_list if m != "local"]
+        runs += run_rate(link, extra, methods, spec, work / "rate_regime")
     for row in runs:
         if row["method"] == "local":
             row["rate_mbit"] = None
     return spec, runs
+
+
+def regime_rate(args: argparse.Namespace, runs: list[dict]) -> float | None:
+    """The extra rate to run for the speedup comparison, or None when the sweep already has one (see --regime-rate)."""
+    if args.regime_rate == "none":
+        return None
+    if args.regime_rate != "auto":
+        rate = float(args.regime_rate)
+        return None if rate in args.rate_list else rate
+    ddp = [r for r in runs if r["method"] == "ddp" and r.get("status") == "ok"]
+    if not ddp:
+        return None
+    compute = ddp_compute_reference(ddp)
+    if any(abs(math.log(max(r["comm_seconds_per_step"] / compute, 1e-9) / args.regime_ratio)) < 0.22 for r in ddp):
+        return None
+    slowest = min(ddp, key=lambda r: r["rate_mbit"])
+    # DDP's time per step at a low rate is all bandwidth, so its comm/compute ratio scales as 1/R.
+    ratio = slowest["comm_seconds_per_step"] / compute
+    rate = float(f"{slowest['rate_mbit'] * ratio / args.regime_ratio:.2g}")
+    return None if rate in args.rate_list else rate
 
 
 def run_benchmark(args: argparse.Namespace) -> dict:
