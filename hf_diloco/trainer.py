@@ -339,7 +339,8 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
     def _write_model_card(self, folder: str, **overrides: Any) -> None:
         topology = self._get_topology()
         stats = self.diloco.stats if self.diloco is not None else {}
-        exchanged = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        # What this rank exchanges (one pipeline stage when pipelined), the same parameters DDP would all-reduce here.
+        exchanged = sum(p.numel() for p in self.diloco_module.parameters() if p.requires_grad)
         results = {}
         for entry in self.state.log_history:
             results.update({k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))})
