@@ -158,7 +158,18 @@ def _cosine(total: int, warmup: int):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", nargs="+", default=["ddp", "diloco", "streaming_fp4"], choices=list(METHODS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["ddp", "diloco", "streaming_fp4"],
+        help=f"Methods from {sorted(METHODS)}, each optionally `@M` for its number of workers (default --workers).",
+    )
+    parser.add_argument(
+        "--token_budget",
+        type=int,
+        default=0,
+        help="If set, every method trains on this many tokens in total: steps = budget / (M x batch x block).",
+    )
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--block_size", type=int, default=128)
@@ -173,10 +184,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory() as folder:
         prepare_data(Path(folder), args.block_size)
-        for method in args.methods:
-            print(f"running {method} ...", flush=True)
-            outcome = run_on_processes(worker, args.workers, method, args, folder, timeout_seconds=3600)
+        for spec in args.methods:
+            method, _, workers = spec.partition("@")
+            if method not in METHODS:
+                parser.error(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+            run_args = argparse.Namespace(**vars(args))
+            run_args.workers = int(workers) if workers else args.workers
+            if args.token_budget:
+                run_args.steps = args.token_budget // (run_args.workers * args.batch_size * args.block_size)
+            print(f"running {spec} ({run_args.workers} workers, {run_args.steps} steps) ...", flush=True)
+            outcome = run_on_processes(worker, run_args.workers, method, run_args, folder, timeout_seconds=3600)
             result = outcome[0]
+            result["method"] = spec
+            result["workers"] = run_args.workers
+            result["steps"] = run_args.steps
             result["bytes_sent_all_ranks"] = [r["bytes_sent"] for r in outcome]
             results.append(result)
             write_report(results, args, argv)  # after every method, so a long sweep leaves partial results
@@ -192,12 +213,12 @@ def write_report(results: list[dict], args: argparse.Namespace, argv: list[str] 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = "python scripts/bench_comm.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    baseline = next((r for r in results if r["method"] == "ddp"), None)
+    baseline = next((r for r in results if r["method"].split("@")[0] == "ddp" and r.get("workers", 2) > 1), None)
     lines = [
         f"`{command}` ({args.workers} workers, {args.steps} steps x {args.batch_size} x {args.block_size} tokens each)",
         "",
-        "| method | bytes/token/worker | x fewer than DDP | peak bytes per sync | eval loss | vs DDP loss |",
-        "|---|---|---|---|---|---|",
+        "| method | workers | steps | bytes/token/worker | x fewer than DDP | peak bytes per sync | eval loss | vs DDP loss |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fewer = (
@@ -205,7 +226,8 @@ def write_report(results: list[dict], args: argparse.Namespace, argv: list[str] 
         )
         loss_gap = f"{100 * (r['eval_loss'] / baseline['eval_loss'] - 1):+.2f}%" if baseline else "-"
         lines.append(
-            f"| {r['method']} | {r['bytes_per_token']:.2f} | {fewer} | {r['peak_bytes_per_sync']:,} | "
+            f"| {r['method']} | {r.get('workers', args.workers)} | {r.get('steps', args.steps)} | "
+            f"{r['bytes_per_token']:.2f} | {fewer} | {r['peak_bytes_per_sync']:,} | "
             f"{r['eval_loss']:.4f} | {loss_gap} |"
         )
     Path(str(out) + ".md").write_text("\n".join(lines) + "\n")
@@ -224,8 +246,9 @@ def _plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     tokens_per_step = args.batch_size * args.block_size
     for r in results:
         steps, losses = zip(*r["train_curve"])
-        ax_loss.plot([s * tokens_per_step for s in steps], losses, label=r["method"])
-    ax_loss.set(xlabel="tokens per worker", ylabel="train loss (worker 0)", title="Loss vs tokens")
+        workers = r.get("workers", args.workers)
+        ax_loss.plot([s * tokens_per_step * workers for s in steps], losses, label=r["method"])
+    ax_loss.set(xlabel="tokens (all workers)", ylabel="train loss (worker 0)", title="Loss vs tokens")
     ax_loss.legend()
     ax_bytes.bar([r["method"] for r in results], [r["bytes_per_token"] for r in results])
     ax_bytes.set(yscale="log", ylabel="bytes sent per token per worker", title="Communication")
