@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 METHODS = {
     "ddp": None,
     "diloco": dict(inner_steps=100),
+    "streaming_fp32": dict(inner_steps=100, num_fragments=4, sync_delay=1),
     "streaming_fp4": dict(inner_steps=100, num_fragments=4, sync_delay=1, compression="fp4", error_feedback=False),
     "streaming_fp4_ef": dict(inner_steps=100, num_fragments=4, sync_delay=1, compression="fp4", error_feedback=True),
     "diloco_h50": dict(inner_steps=50),
