@@ -190,3 +190,15 @@ def test_single_process_engine_is_diloco_with_one_worker():
     _assert_close(engine.global_parameters(), glob)
     _assert_close(dict(model.named_parameters()), locals_[0])
     assert engine.stats["bytes_sent"] == 0
+
+
+def test_per_fragment_sync_counters_are_logged():
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=4, num_fragments=2))
+    for t in range(1, 9):
+        inner_step(model, optimizer, 0, t)
+        engine.step()
+    metrics = engine.metrics()
+    assert metrics["diloco/fragment0_syncs"] == 2 and metrics["diloco/fragment1_syncs"] == 2
+    assert metrics["diloco/outer_steps"] == 4

@@ -280,6 +280,11 @@ class DiLoCo:
         result = self._wait(flight.pending)
         self.stats["bytes_sent"] += result.bytes_sent
         self.stats["bytes_sent_intra_worker"] += result.bytes_sent_intra_worker
+        if self.config.num_fragments > 1:  # per-fragment counters, logged as diloco/fragment{p}_*
+            self.stats[f"fragment{fragment}_syncs"] = self.stats.get(f"fragment{fragment}_syncs", 0) + 1
+            self.stats[f"fragment{fragment}_bytes_sent"] = (
+                self.stats.get(f"fragment{fragment}_bytes_sent", 0) + result.bytes_sent
+            )
         self._residual[fragment] = result.residual
         if result.choice is not None:
             self.stats["lowrank_rank"] = result.choice["rank"]
