@@ -85,6 +85,36 @@ def build_datasets(config: dict[str, Any], args, tokenizer_dir: Path):
     return tokenizer, blocks
 
 
+def perplexity_hooks():
+    """`compute_metrics` + `preprocess_logits_for_metrics` that score perplexity with the shipped evaluate module.
+
+    Logits are reduced batch by batch to (NLL sum, token count) per example, so the evaluation never holds the
+    vocabulary-sized logits of the whole eval set; the metric then takes exp(total NLL / total tokens).
+    """
+    import evaluate
+    import torch
+
+    from hf_diloco.metrics import perplexity_metric_path
+
+    metric = evaluate.load(perplexity_metric_path())
+
+    def nll_per_example(logits, labels):
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        shifted_logits, shifted_labels = logits[:, :-1].float(), labels[:, 1:]
+        losses = torch.nn.functional.cross_entropy(
+            shifted_logits.transpose(1, 2), shifted_labels, ignore_index=-100, reduction="none"
+        )
+        mask = shifted_labels.ne(-100)
+        return torch.stack([(losses * mask).sum(dim=1), mask.sum(dim=1).float()], dim=1)
+
+    def compute_metrics(eval_prediction) -> dict[str, float]:
+        sums = eval_prediction.predictions
+        result = metric.compute(predictions=sums[:, 0].tolist(), references=sums[:, 1].astype("int64").tolist())
+        return {"perplexity": result["perplexity"], "tokens": result["eval_tokens"]}
+
+    return compute_metrics, nll_per_example
+
+
 def last_checkpoint(output_dir: str, use_diloco: bool) -> str | None:
     """The newest checkpoint to resume from: for DiLoCo runs, the newest *complete* one (see hf_diloco.checkpointing)."""
     from transformers.trainer_utils import get_last_checkpoint
@@ -122,6 +152,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         seed=args.seed,
     )
     trainer_class = DiLoCoTrainer if config.get("trainer", "diloco") == "diloco" else Trainer
+    # A pipelined model has logits only on its last stage: it evaluates the loss (its perplexity is exp of it).
+    pipelined = getattr(args, "pipeline_stages", 1) > 1
+    compute_metrics, preprocess_logits = (None, None) if pipelined else perplexity_hooks()
     trainer = trainer_class(
         model=model,
         args=args,
@@ -129,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset=blocks["validation"],
         data_collator=default_data_collator,
         processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+        preprocess_logits_for_metrics=preprocess_logits,
     )
     resume = args.resume_from_checkpoint
     if resume is None and config.get("auto_resume", True):
@@ -137,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trainer.save_model()
     metrics = dict(train_result.metrics)
     eval_metrics = trainer.evaluate()
-    eval_metrics["eval_perplexity"] = math.exp(min(eval_metrics["eval_loss"], 50.0))
+    eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
     metrics.update(eval_metrics)
     trainer.log_metrics("all", metrics)
     trainer.save_metrics("all", metrics)
