@@ -202,3 +202,18 @@ def test_per_fragment_sync_counters_are_logged():
     metrics = engine.metrics()
     assert metrics["diloco/fragment0_syncs"] == 2 and metrics["diloco/fragment1_syncs"] == 2
     assert metrics["diloco/outer_steps"] == 4
+
+
+def test_eager_with_one_worker_is_blocking_diloco():
+    """With M = 1 the eager estimate is the true average, so eager must follow blocking DiLoCo exactly."""
+    finals = {}
+    for overlap in ("streaming", "eager"):
+        model = tiny_model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+        engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=5, overlap=overlap))
+        for t in range(1, 18):
+            inner_step(model, optimizer, 0, t)
+            engine.step()
+        engine.close()
+        finals[overlap] = engine.global_parameters()
+    _assert_close(finals["eager"], finals["streaming"], atol=1e-5)
