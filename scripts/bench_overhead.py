@@ -3,7 +3,9 @@
     python scripts/bench_overhead.py --steps 200 --repeats 3
 
 Both trainers get the same model, data, seed and steps; runs alternate (Trainer, DiLoCoTrainer, Trainer, ...) in one
-process so machine noise hits both alike. Reported: the median seconds per step of each and their ratio.
+process so machine noise hits both alike. Reported: the median seconds per step of each and their ratio, in wall time
+and in this process's CPU time (torch runs on one thread here, so CPU time is the work each trainer does and is far
+less sensitive to other jobs on a shared machine than wall time).
 """
 
 from __future__ import annotations
@@ -38,19 +40,22 @@ class StepTimer:
 
         class _Callback(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
+                now = (time.perf_counter(), time.process_time())
                 if state.global_step == timer.warmup:
-                    timer.started = time.perf_counter()
-                timer.last = time.perf_counter()
+                    timer.started = now
+                timer.last = now
                 timer.steps = state.global_step
 
         self.warmup, self.started, self.last, self.steps = warmup, None, None, 0
         self.callback = _Callback()
 
-    def seconds_per_step(self) -> float:
-        return (self.last - self.started) / (self.steps - self.warmup)
+    def seconds_per_step(self) -> tuple[float, float]:
+        """(wall, CPU) seconds per step after the warm-up."""
+        steps = self.steps - self.warmup
+        return (self.last[0] - self.started[0]) / steps, (self.last[1] - self.started[1]) / steps
 
 
-def run_once(use_diloco: bool, tokenizer, blocks, steps: int, inner_steps: int, out_dir: str) -> float:
+def run_once(use_diloco: bool, tokenizer, blocks, steps: int, inner_steps: int, out_dir: str) -> tuple[float, float]:
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
@@ -94,22 +99,26 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)
     tokenizer, blocks = build_data(args.steps * 8, args.block_size)
-    times: dict[str, list[float]] = {"trainer": [], "diloco_trainer": []}
+    wall: dict[str, list[float]] = {"trainer": [], "diloco_trainer": []}
+    cpu: dict[str, list[float]] = {"trainer": [], "diloco_trainer": []}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             order = ("trainer", "diloco_trainer") if repeat % 2 == 0 else ("diloco_trainer", "trainer")
             for name in order:
                 seconds = run_once(name == "diloco_trainer", tokenizer, blocks, args.steps, args.inner_steps, tmp)
-                times[name].append(seconds)
-                print(f"repeat {repeat} {name}: {seconds * 1000:.1f} ms/step", flush=True)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+                wall[name].append(seconds[0])
+                cpu[name].append(seconds[1])
+                print(f"repeat {repeat} {name}: {seconds[0] * 1000:.1f} ms/step wall, {seconds[1] * 1000:.1f} CPU")
+    median_wall = {name: statistics.median(values) for name, values in wall.items()}
+    median_cpu = {name: statistics.median(values) for name, values in cpu.items()}
     result = {
         "command": "python scripts/bench_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "steps": args.steps,
         "inner_steps": args.inner_steps,
-        "seconds_per_step": times,
-        "median_seconds_per_step": medians,
-        "ratio_diloco_over_trainer": medians["diloco_trainer"] / medians["trainer"],
+        "wall_seconds_per_step": wall,
+        "cpu_seconds_per_step": cpu,
+        "ratio_wall": median_wall["diloco_trainer"] / median_wall["trainer"],
+        "ratio_cpu": median_cpu["diloco_trainer"] / median_cpu["trainer"],
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
