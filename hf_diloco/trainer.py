@@ -40,6 +40,7 @@ from .checkpointing import last_complete_checkpoint, verify_checkpoint, write_ma
 from .config import DiLoCoConfig
 from .core.diloco import DiLoCo
 from .core.topology import Topology
+from .launch import init_process_group_for_restart
 from .model_card import write_model_card
 from .monitoring import ComputeUtilization
 from .pipeline_trainer import PipelineTrainerMixin
@@ -71,6 +72,7 @@ class DiLoCoTrainingArguments(TrainingArguments, DiLoCoConfig):
 
     def __post_init__(self) -> None:
         DiLoCoConfig.validate_diloco(self)
+        init_process_group_for_restart(self.use_cpu, self.ddp_timeout or 1800)
         super().__post_init__()
         self._check_accelerator_config()
 
