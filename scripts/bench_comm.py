@@ -216,7 +216,12 @@ def write_report(results: list[dict], args: argparse.Namespace, argv: list[str] 
     command = "python scripts/bench_comm.py " + " ".join(argv if argv is not None else sys.argv[1:])
     baseline = next((r for r in results if r["method"].split("@")[0] == "ddp" and r.get("workers", 2) > 1), None)
     lines = [
-        f"`{command}` ({args.workers} workers, {args.steps} steps x {args.batch_size} x {args.block_size} tokens each)",
+        f"`{command}` "
+        + (
+            f"({args.token_budget} tokens per method in total; {args.batch_size} x {args.block_size} tokens per step)"
+            if args.token_budget
+            else f"({args.workers} workers, {args.steps} steps x {args.batch_size} x {args.block_size} tokens each)"
+        ),
         "",
         "| method | workers | steps | bytes/token/worker | x fewer than DDP | peak bytes per sync | eval loss | vs DDP loss |",
         "|---|---|---|---|---|---|---|---|",
