@@ -15,19 +15,26 @@ VOCAB, SEQ, BATCH, LAYERS = 64, 8, 2, 4
 INNER_LR = 3e-3
 
 
-def tiny_model(seed: int = 0, layers: int = LAYERS) -> LlamaForCausalLM:
+def tiny_llama(
+    vocab: int, layers: int, max_positions: int, heads: int = 4, kv_heads: int = 2, seed: int = 0, **config_kwargs
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama with hidden size 32 (the tiny model every distributed test trains)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        **config_kwargs,
     )
     return LlamaForCausalLM(config)
+
+
+def tiny_model(seed: int = 0, layers: int = LAYERS) -> LlamaForCausalLM:
+    return tiny_llama(VOCAB, layers, 64, heads=2, seed=seed, tie_word_embeddings=False)
 
 
 def batch_for(worker: int, step: int) -> dict[str, torch.Tensor]:

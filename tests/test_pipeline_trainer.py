@@ -12,12 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_diloco.core.pipeline import PipelineRunner
 from hf_diloco.pipeline_trainer import SafetensorsFolder
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import run_on_processes
+from tests.engine_common import tiny_llama
 
 VOCAB, SEQ, SAMPLES = 96, 12, 48
 H, STEPS, CHECKPOINT = 4, 8, 6
@@ -27,17 +28,7 @@ ATOL = 1e-4
 def _model(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "llama":
-        config = LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=SEQ,
-            tie_word_embeddings=False,
-        )
-        model = LlamaForCausalLM(config)
+        model = tiny_llama(VOCAB, layers=4, max_positions=SEQ, tie_word_embeddings=False)
     else:
         config = GPT2Config(
             vocab_size=VOCAB,

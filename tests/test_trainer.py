@@ -18,7 +18,6 @@ from datasets import Dataset
 from transformers import (
     AutoModelForCausalLM,
     HfArgumentParser,
-    LlamaConfig,
     LlamaForCausalLM,
     Trainer,
     TrainerCallback,
@@ -28,6 +27,7 @@ from transformers import (
 from hf_diloco.config import DiLoCoConfig
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import free_port, run_on_processes
+from tests.engine_common import tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, SAMPLES = 128, 16, 64
@@ -35,17 +35,7 @@ H, STEPS, MID_ROUND_CHECKPOINT = 4, 12, 6
 
 
 def _tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_llama(VOCAB, layers=2, max_positions=SEQ)
 
 
 def _dataset() -> Dataset:
