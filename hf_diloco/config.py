@@ -235,6 +235,24 @@ class DiLoCoConfig:
         shared = {k: v for k, v in self.diloco_dict().items() if k not in local_only}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
+    def short_run_warning(self, total_inner_steps: int) -> str | None:
+        """A warning when the outer momentum remembers more outer rounds than half of the run has, else None.
+
+        The outer momentum's memory is about 1 / (1 - outer_momentum) rounds (10 at the paper's 0.9). In a run with only
+        a few outer rounds the early, large pseudo-gradients then keep pushing theta_g long after the inner learning rate
+        has decayed; BENCHMARKS.md section 5 measures this on a small model.
+        """
+        rounds = total_inner_steps // self.inner_steps
+        memory = round(1.0 / (1.0 - self.outer_momentum), 6)  # 1 / (1 - 0.9) is 10.000000000000002
+        if self.outer_momentum == 0 or rounds >= 2 * memory:
+            return None
+        return (
+            f"outer_momentum={self.outer_momentum:g} remembers about {memory:.0f} outer rounds, but this run has only "
+            f"{rounds} ({total_inner_steps} inner steps / inner_steps={self.inner_steps}). Short runs like this reached "
+            "a lower loss with outer_momentum <= 0.5 (outer_lr 0.7-1.0) in BENCHMARKS.md section 5; the paper's 0.9 "
+            "suits runs of many more rounds."
+        )
+
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> DiLoCoConfig:
         """Load the DiLoCo fields from a YAML file (a flat mapping, or a `diloco:` section); other keys are ignored."""

@@ -259,6 +259,9 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             topology=self._get_topology(),
             num_blocks=self.diloco_num_blocks,
         )
+        warning = self.args.diloco_config().short_run_warning(max_steps)
+        if warning and self.args.should_log:
+            logger.warning(warning)
         self._utilization = ComputeUtilization(lambda: self.diloco.stats["sync_wait_seconds"])
         self._model_is_global = False
         if resume_from_checkpoint is not None:

@@ -7,7 +7,9 @@ worker on its own shard, for the same number of steps. Bytes are counted the sam
 rank hands to the network for cross-worker communication, with the collective's wire volume (ring all-reduce:
 2 (M-1)/M x payload; DiLoCo's all_to_all + all_gather: 2 (M-1) x chunk). DDP's bytes are counted by a DDP
 communication hook around its real all-reduce; DiLoCo's by the engine. Eval loss is on held-out stdlib files, with
-the global parameters for DiLoCo. Results go to a JSON file and a markdown table, and a PNG of loss vs tokens.
+the global parameters for DiLoCo. Bytes per token are the training loop's (steady state); the once-per-run tail syncs
+of `close()` (fragments trained since their last launch) are a separate column. Peak bytes per sync is the largest
+single exchange. Results go to a JSON file and a markdown table, and a PNG of loss vs tokens.
 """
 
 from __future__ import annotations
@@ -87,6 +89,29 @@ def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:
     return total / count
 
 
+def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
+    """`name[:key=value,...][@M]` -> (name, DiLoCoConfig fields or None for DDP, workers or None).
+
+    The overrides go on top of the method's entry in `METHODS`, e.g. `diloco_h50:outer_lr=0.5,outer_momentum=0.6@2`.
+    """
+    from hf_diloco import DiLoCoConfig
+
+    body, _, workers = spec.partition("@")
+    name, _, overrides = body.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; choose from {sorted(METHODS)}")
+    fields = None if METHODS[name] is None else dict(METHODS[name])
+    for item in filter(None, overrides.split(",")):
+        key, _, text = item.partition("=")
+        if fields is None or key not in DiLoCoConfig.__dataclass_fields__:
+            raise ValueError(f"{spec!r}: {key!r} is not a DiLoCoConfig field of a DiLoCo method")
+        default = DiLoCoConfig.__dataclass_fields__[key].default
+        fields[key] = (text.lower() in ("1", "true", "yes")) if isinstance(default, bool) else type(default)(text)
+    if fields is not None:
+        DiLoCoConfig(**fields)  # validate before any process starts
+    return name, fields, int(workers) if workers else None
+
+
 def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
     from hf_diloco.modeling import build_model
@@ -96,13 +121,14 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(args.steps, args.warmup))
     engine, counter, trained = None, {"bytes": 0}, model
-    if METHODS[method] is None:
+    _, fields, _ = parse_method(method)
+    if fields is None:
         trained = torch.nn.parallel.DistributedDataParallel(model)
         trained.register_comm_hook(None, _ddp_counting_hook(counter, world))
     else:
-        engine = DiLoCo(model, optimizer, DiLoCoConfig(**METHODS[method]))
+        engine = DiLoCo(model, optimizer, DiLoCoConfig(**fields))
     shard = data["train"][rank::world]
-    per_sync, previous_bytes, curve = [], 0, []
+    curve = []
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         index = torch.arange((step - 1) * args.batch_size, step * args.batch_size) % len(shard)
@@ -115,31 +141,29 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         optimizer.zero_grad()
         if engine is not None:
             engine.step()
-            sent = engine.stats["bytes_sent"]
-            if sent > previous_bytes:
-                per_sync.append(sent - previous_bytes)
-                previous_bytes = sent
         if step % args.log_every == 0 or step == args.steps:
             curve.append((step, float(loss.detach())))
     if engine is not None:
         engine.close()
-        if engine.stats["bytes_sent"] > previous_bytes:
-            per_sync.append(engine.stats["bytes_sent"] - previous_bytes)
         with engine.global_weights():
             eval_loss = evaluate(model, data["eval"])
-        sent = engine.stats["bytes_sent"]
+        # The final tail syncs of close() happen once per run, not per round: reported apart from the steady state.
+        tail_bytes = engine.stats["final_sync_bytes"]
+        sent, peak = engine.stats["bytes_sent"] - tail_bytes, engine.stats["max_sync_bytes"]
+        syncs = engine.stats["outer_steps"] + engine.stats["skipped_nonfinite"]
     else:
         eval_loss = evaluate(model, data["eval"])
-        sent = counter["bytes"]
-        per_sync = [sent // args.steps] * args.steps
+        sent, tail_bytes, syncs = counter["bytes"], 0, args.steps
+        peak = sent // args.steps
     tokens = args.steps * args.batch_size * data["train"].shape[1]
     return {
         "method": method,
         "bytes_sent": sent,
         "tokens_per_worker": tokens,
         "bytes_per_token": sent / tokens,
-        "peak_bytes_per_sync": max(per_sync) if per_sync else 0,
-        "syncs": len(per_sync),
+        "final_sync_bytes": tail_bytes,
+        "peak_bytes_per_sync": peak,
+        "syncs": syncs,
         "eval_loss": eval_loss,
         "train_curve": curve,
         "seconds": time.perf_counter() - started,
@@ -163,7 +187,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--methods",
         nargs="+",
         default=["ddp", "diloco", "streaming_fp4"],
-        help=f"Methods from {sorted(METHODS)}, each optionally `@M` for its number of workers (default --workers).",
+        help=f"Methods from {sorted(METHODS)}, each optionally `:key=value,...` (DiLoCoConfig overrides) and `@M` "
+        "(its number of workers, default --workers).",
     )
     parser.add_argument(
         "--token_budget",
@@ -186,15 +211,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
         prepare_data(Path(folder), args.block_size)
         for spec in args.methods:
-            method, _, workers = spec.partition("@")
-            if method not in METHODS:
-                parser.error(f"unknown method {method!r}; choose from {sorted(METHODS)}")
+            try:
+                method, _, workers = parse_method(spec)
+            except (ValueError, TypeError) as error:
+                parser.error(str(error))
             run_args = argparse.Namespace(**vars(args))
-            run_args.workers = int(workers) if workers else args.workers
+            run_args.workers = workers or args.workers
             if args.token_budget:
                 run_args.steps = args.token_budget // (run_args.workers * args.batch_size * args.block_size)
             print(f"running {spec} ({run_args.workers} workers, {run_args.steps} steps) ...", flush=True)
-            outcome = run_on_processes(worker, run_args.workers, method, run_args, folder, timeout_seconds=3600)
+            outcome = run_on_processes(
+                worker, run_args.workers, spec.partition("@")[0], run_args, folder, timeout_seconds=3600
+            )
             result = outcome[0]
             result["method"] = spec
             result["workers"] = run_args.workers
@@ -223,8 +251,9 @@ def write_report(results: list[dict], args: argparse.Namespace, argv: list[str] 
             else f"({args.workers} workers, {args.steps} steps x {args.batch_size} x {args.block_size} tokens each)"
         ),
         "",
-        "| method | workers | steps | bytes/token/worker | x fewer than DDP | peak bytes per sync | eval loss | vs DDP loss |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | workers | steps | bytes/token/worker | x fewer than DDP | peak bytes per sync | final tail sync bytes "
+        "| eval loss | vs DDP loss |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         fewer = (
@@ -233,7 +262,7 @@ def write_report(results: list[dict], args: argparse.Namespace, argv: list[str] 
         loss_gap = f"{100 * (r['eval_loss'] / baseline['eval_loss'] - 1):+.2f}%" if baseline else "-"
         lines.append(
             f"| {r['method']} | {r.get('workers', args.workers)} | {r.get('steps', args.steps)} | "
-            f"{r['bytes_per_token']:.2f} | {fewer} | {r['peak_bytes_per_sync']:,} | "
+            f"{r['bytes_per_token']:.2f} | {fewer} | {r['peak_bytes_per_sync']:,} | {r.get('final_sync_bytes', 0):,} | "
             f"{r['eval_loss']:.4f} | {loss_gap} |"
         )
     Path(str(out) + ".md").write_text("\n".join(lines) + "\n")

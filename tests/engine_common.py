@@ -143,6 +143,22 @@ def reference_run(
                     anchor[w][n] = look[n]
                     set_local(w, n, look[n])
             own_sent[p] = sent
+
+    def has_tail(p: int) -> bool:  # inner steps since fragment p's last launch (or since the start)
+        last_launch = max((t for t in range(1, steps + 1) if t % inner_steps == launch_step(p)), default=0)
+        return steps > last_launch
+
+    def launch_step(p: int) -> int:
+        return ((p + 1) * inner_steps // num_fragments) % inner_steps
+
+    def tail_deltas(base: list[dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
+        out = {}
+        for p in filter(has_tail, range(num_fragments)):
+            frag_names = [n for n in names if frag[n] == p]
+            out[p] = {n: sum(base[w][n] - params[w][n].detach() for w in range(workers)) / workers for n in frag_names}
+        return out
+
+    tails = {} if overlap == "streaming" else tail_deltas(anchor if overlap == "eager" else [glob] * workers)
     for fragment in sorted(in_flight, key=lambda p: in_flight[p][0]):
         if overlap == "streaming":
             apply_streaming(fragment, 0)
@@ -152,4 +168,11 @@ def reference_run(
             for w in range(workers):
                 for n in mean:
                     set_local(w, n, glob[n])
+    if overlap == "streaming":
+        tails = tail_deltas([glob] * workers)
+    for mean in tails.values():  # the final sync: plain average of the tail, no outer optimizer
+        for n, d in mean.items():
+            glob[n] = glob[n] - d
+            for w in range(workers):
+                set_local(w, n, glob[n])
     return [{n: p.detach().clone() for n, p in ps.items()} for ps in params], glob

@@ -114,3 +114,21 @@ def test_readme_config_reference_is_current():
     from config_reference import config_table
 
     assert config_table() in (root / "README.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "momentum, inner_steps, total, warns",
+    [
+        (0.9, 50, 400, True),  # 8 rounds, memory 10 rounds
+        (0.9, 50, 1000, False),  # 20 rounds = 2 x memory
+        (0.5, 50, 150, True),  # 3 rounds, memory 2 rounds
+        (0.5, 50, 200, False),  # 4 rounds = 2 x memory
+        (0.0, 50, 50, False),  # no momentum, nothing to remember
+    ],
+)
+def test_short_run_warning_compares_rounds_with_momentum_memory(momentum, inner_steps, total, warns):
+    config = DiLoCoConfig(inner_steps=inner_steps, outer_momentum=momentum)
+    warning = config.short_run_warning(total)
+    assert (warning is not None) == warns
+    if warns:
+        assert f"outer_momentum={momentum:g}" in warning and f"only {total // inner_steps}" in warning

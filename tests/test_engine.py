@@ -217,3 +217,34 @@ def test_eager_with_one_worker_is_blocking_diloco():
         engine.close()
         finals[overlap] = engine.global_parameters()
     _assert_close(finals["eager"], finals["streaming"], atol=1e-5)
+
+
+def _close_after_a_tail(rank: int, world: int, config: dict, steps: int) -> dict:
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(**config))
+    for t in range(1, steps + 1):
+        inner_step(model, optimizer, rank, t)
+        engine.step()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, before)
+    bytes_before = engine.stats["bytes_sent"]
+    engine.close()
+    return {
+        "mean_local_before_close": {n: sum(w[n] for w in everyone) / world for n in before},
+        "global": engine.global_parameters(),
+        "final_syncs": engine.stats["final_syncs"],
+        "close_bytes": engine.stats["bytes_sent"] - bytes_before,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_close_syncs_the_tail_so_no_training_is_dropped():
+    """Plain DiLoCo, 6 steps with H = 4: the last 2 steps end up in θg as the workers' mean (nothing dropped)."""
+    results = run_on_processes(_close_after_a_tail, 2, dict(inner_steps=4, outer_momentum=0.9), 6)
+    for result in results:
+        assert result["final_syncs"] == 1 and result["close_bytes"] > 0
+        _assert_close(result["global"], results[0]["mean_local_before_close"], atol=1e-6)
+    aligned = run_on_processes(_close_after_a_tail, 2, dict(inner_steps=4), 8)
+    assert aligned[0]["final_syncs"] == 0 and aligned[0]["close_bytes"] == 0  # nothing trained since the last sync

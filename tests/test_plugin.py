@@ -156,6 +156,9 @@ def _reference() -> dict[str, torch.Tensor]:
             with torch.no_grad():
                 for p in params:
                     p[name].copy_(glob[name])
+    if STEPS % H:  # close(): the steps after the last round join theta_g as a plain average
+        params = [dict(m.named_parameters()) for m in models]
+        glob = {name: sum(p[name].detach() for p in params) / WORKERS for name in glob}
     return glob
 
 
@@ -182,6 +185,7 @@ def test_two_process_loop_matches_reference_and_ranks_agree(torchrun_loop):
     for rank in ranks:
         run = rank["full"]
         assert run["inner_step"] == STEPS and run["stats"]["outer_steps"] == STEPS // H
+        assert run["stats"]["final_syncs"] == 1
         for name, value in reference.items():
             assert torch.equal(run["global"][name], ranks[0]["full"]["global"][name]), name
             torch.testing.assert_close(run["global"][name], value, atol=1e-6, rtol=0)
@@ -190,7 +194,7 @@ def test_two_process_loop_matches_reference_and_ranks_agree(torchrun_loop):
             assert torch.equal(run["local"][name], run["global"][name]), name
         numel = sum(v.numel() for v in reference.values())
         per_sync = 2 * (WORKERS - 1) * 4 * -(-numel // WORKERS)  # all_to_all + all_gather of fp32 halves
-        assert run["stats"]["bytes_sent"] == STEPS // H * per_sync
+        assert run["stats"]["bytes_sent"] == (STEPS // H + 1) * per_sync  # the rounds and the final tail sync
 
 
 @pytest.mark.timeout(450)

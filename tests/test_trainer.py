@@ -447,17 +447,27 @@ def _nested_equal(a, b) -> bool:
 
 @pytest.mark.timeout(300)
 def test_evaluation_during_training_uses_global_parameters(tmp_path):
-    """Evaluated at step 6 (mid-round, H=4, one process = one worker), the model is theta_g of step 4, which is also
-    what `trainer.model` holds after training (no sync after step 4); the local weights of step 6 would differ."""
+    """Evaluated at step 6 (mid-round, H=4, one process = one worker), the model is theta_g of step 4: the same loss as
+    a run that stops at step 4. After training, close() has synced the tail (steps 5-6) into theta_g, which is what
+    `trainer.model` then holds."""
     data = _dataset()
-    args = DiLoCoTrainingArguments(
-        **_common_args(tmp_path, max_steps=MID_ROUND_CHECKPOINT, eval_strategy="steps", eval_steps=6),
-        inner_steps=H,
-        per_device_eval_batch_size=8,
-    )
-    trainer = DiLoCoTrainer(model=_tiny_model(), args=args, train_dataset=data, eval_dataset=data.select(range(16)))
-    trainer.train()
+
+    def run(max_steps: int, **extra) -> DiLoCoTrainer:
+        args = DiLoCoTrainingArguments(
+            **_common_args(tmp_path / str(max_steps), max_steps=max_steps, lr_scheduler_type="constant", **extra),
+            inner_steps=H,
+            per_device_eval_batch_size=8,
+        )
+        trainer = DiLoCoTrainer(
+            model=_tiny_model(), args=args, train_dataset=data, eval_dataset=data.select(range(16))
+        )
+        trainer.train()
+        return trainer
+
+    trainer = run(MID_ROUND_CHECKPOINT, eval_strategy="steps", eval_steps=6)
     during = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
     for name, param in trainer.model.named_parameters():
         assert torch.equal(param.detach(), trainer.diloco.global_parameters()[name]), name
-    assert during == [trainer.evaluate()["eval_loss"]]
+    assert trainer.diloco.stats["final_syncs"] == 1
+    assert during != [trainer.evaluate()["eval_loss"]]  # the final theta_g holds steps 5-6 as well
+    assert during == [run(H).evaluate()["eval_loss"]]

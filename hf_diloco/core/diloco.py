@@ -21,7 +21,7 @@ from ..config import DiLoCoConfig
 from .adaptive import CODEC_BITS, WindowEnergyPolicy, policy_compressions
 from .codecs import make_codec
 from .exchange import ExchangeResult, OuterExchange, PendingExchange
-from .fragments import find_block_stack, fragments_launched_at, partition_fragments
+from .fragments import find_block_stack, fragments_launched_at, launch_offset, partition_fragments
 from .lowrank import LowRankCompressor
 from .topology import Topology
 
@@ -54,7 +54,8 @@ class DiLoCo:
         apply the true average, θg <- OuterOpt(θg, avg^{r-1}); estimate this round's average as
         Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M (Δ~ = Δm^1 in the first round); θm <- a_m <- OuterOpt'(θg, Δ~), where
         OuterOpt' is a look-ahead step whose optimizer state is thrown away. θg only ever sees true averages.
-    `close()` waits for what is in flight and applies it at once (θm <- θg afterwards), so θg is complete.
+    `close()` waits for what is in flight and applies it at once, then syncs each fragment's tail (steps since its
+    last launch) by a plain average, θg <- θg - avg (no outer step), so θg holds every inner step; θm <- θg.
 
     With `lowrank_rank` > 0, the exchange averages a PowerSGD approximation of Δm instead (see `lowrank.py`; its error
     feedback is always on), and with `adaptive_compression` a policy picks rank and codec per sync (`adaptive.py`;
@@ -104,6 +105,9 @@ class DiLoCo:
         self.inner_step = 0
         self.stats: dict[str, float] = {
             "outer_steps": 0,
+            "final_syncs": 0,
+            "final_sync_bytes": 0,
+            "max_sync_bytes": 0,
             "bytes_sent": 0,
             "bytes_sent_intra_worker": 0,
             "sync_wait_seconds": 0.0,
@@ -131,7 +135,17 @@ class DiLoCo:
         self._step_ended = time.perf_counter()
 
     def close(self) -> None:
-        """Apply everything still in flight (in launch order), so the global parameters are complete."""
+        """Apply everything still in flight (in launch order), then sync the steps no round has covered yet.
+
+        A fragment trained for k > 0 steps since its last launch (the tail of a run whose length is not a multiple of
+        its schedule, e.g. fragment 0 of Streaming DiLoCo, last launched H - H/P steps before the end) sends that
+        tail's pseudo-gradient once more, blocking, and θg_p takes the plain average (θg_p <- θg_p - mean_m Δm, no
+        outer optimizer step: the outer momentum would extrapolate a partial round). Without it the final θg, which
+        is what gets evaluated and saved, would drop up to H - H/P steps of training. Every worker has the same step
+        count, so every worker syncs the same fragments. Afterwards θm <- θg on every worker.
+        """
+        tails = self._tail_fragments()
+        early = {} if self.config.overlap == "streaming" else {p: self._pseudo_gradient(p) for p in tails}
         for fragment in sorted(self._in_flight, key=lambda p: self._in_flight[p].apply_at):
             if self.config.overlap == "streaming":
                 self._apply_streaming(fragment, tau_override=0)
@@ -140,6 +154,9 @@ class DiLoCo:
                 self._write_local(fragment, self._global[fragment])
                 if self._anchor is not None:
                     self._anchor[fragment] = self._global[fragment].clone()
+        for fragment in tails:
+            # delayed/eager: the tail is measured from where the round started, before the drain reset θm.
+            self._sync_tail(fragment, early[fragment] if fragment in early else self._pseudo_gradient(fragment))
         self.exchange.close()
 
     def fragment_names(self) -> list[list[str]]:
@@ -235,12 +252,48 @@ class DiLoCo:
 
     # ----------------------------------------------------------------------------------------------- schedule
 
-    def _launch(self, fragment: int) -> None:
-        mode = self.config.overlap
-        anchor = self._anchor[fragment] if mode == "eager" else self._global[fragment]
-        delta = anchor - self._flatten_local(fragment).to(self._device)
+    def _pseudo_gradient(self, fragment: int) -> torch.Tensor:
+        """Δm = (where this round started) - θm, plus the error-feedback residual of the last send."""
+        start = self._anchor[fragment] if self.config.overlap == "eager" else self._global[fragment]
+        delta = start - self._flatten_local(fragment).to(self._device)
         if self._residual[fragment] is not None:
             delta += self._residual[fragment].to(self._device)
+        return delta
+
+    def _tail_fragments(self) -> list[int]:
+        """Fragments with inner steps since their last launch (or never launched, after at least one step)."""
+        t, inner_steps = self.inner_step, self.config.inner_steps
+        tails = []
+        for fragment in range(self.config.num_fragments):
+            offset = launch_offset(fragment, inner_steps, self.config.num_fragments)
+            first_launch = offset or inner_steps
+            since_launch = t if t < first_launch else (t - offset) % inner_steps
+            if since_launch > 0:
+                tails.append(fragment)
+        return tails
+
+    def _sync_tail(self, fragment: int, delta: torch.Tensor) -> None:
+        description = (
+            f"final outer sync of fragment {fragment} at inner step {self.inner_step} "
+            f"with peers {self.topology.outer_peers()}"
+        )
+        compressor = None if self._lowrank is None else self._lowrank[fragment]
+        pending = self.exchange.launch(
+            delta.cpu(), description, blocking=True, compressor=compressor, context=self._launch_context(fragment)
+        )
+        bytes_before = self.stats["bytes_sent"]
+        average = self._collect(fragment, _InFlight(pending, self.inner_step))
+        self.stats["final_sync_bytes"] = (
+            self.stats.get("final_sync_bytes", 0) + self.stats["bytes_sent"] - bytes_before
+        )
+        if average is not None:
+            self._global[fragment] -= average
+            self.stats["final_syncs"] = self.stats.get("final_syncs", 0) + 1  # older checkpoints lack the key
+        self._write_local(fragment, self._global[fragment])
+
+    def _launch(self, fragment: int) -> None:
+        mode = self.config.overlap
+        delta = self._pseudo_gradient(fragment)
         self.stats["pseudo_grad_norm"] = float(delta.norm())
         blocking = mode == "streaming" and self.config.sync_delay == 0
         description = f"outer sync of fragment {fragment} at inner step {self.inner_step} with peers {self.topology.outer_peers()}"
@@ -277,8 +330,17 @@ class DiLoCo:
 
     def _finish_round(self, fragment: int, flight: _InFlight) -> torch.Tensor | None:
         """Wait for a round's exchange and take the outer step on θg; returns the average (None if skipped)."""
+        average = self._collect(fragment, flight)
+        if average is not None:
+            self._outer_step(fragment, average)
+            self.stats["outer_steps"] += 1
+        return average
+
+    def _collect(self, fragment: int, flight: _InFlight) -> torch.Tensor | None:
+        """Wait for an exchange and account for it; returns the average, or None when it is non-finite (skipped)."""
         result = self._wait(flight.pending)
         self.stats["bytes_sent"] += result.bytes_sent
+        self.stats["max_sync_bytes"] = max(self.stats.get("max_sync_bytes", 0), result.bytes_sent)
         self.stats["bytes_sent_intra_worker"] += result.bytes_sent_intra_worker
         if self.config.num_fragments > 1:  # per-fragment counters, logged as diloco/fragment{p}_*
             self.stats[f"fragment{fragment}_syncs"] = self.stats.get(f"fragment{fragment}_syncs", 0) + 1
@@ -297,8 +359,6 @@ class DiLoCo:
             self._residual[fragment] = None
             self._reset_nonfinite_inner_state(fragment)
             return None
-        self._outer_step(fragment, average)
-        self.stats["outer_steps"] += 1
         return average
 
     def _launch_context(self, fragment: int) -> dict:
