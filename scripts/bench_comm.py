@@ -117,7 +117,7 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
     from hf_diloco.modeling import build_model
 
     data = torch.load(Path(folder) / "data.pt")
-    model = build_model(None, data["vocab"], *data["ids"], seed=0)
+    model = build_model(None, data["vocab"], *data["ids"], seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(args.steps, args.warmup))
     engine, counter, trained = None, {"bytes": 0}, model
@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--log_every", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the model's random init (same for every method).")
     parser.add_argument("--out", default="benchmarks/comm")
     args = parser.parse_args(argv)
     from tests.dist_utils import run_on_processes
