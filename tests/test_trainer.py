@@ -471,3 +471,21 @@ def test_evaluation_during_training_uses_global_parameters(tmp_path):
     assert trainer.diloco.stats["final_syncs"] == 1
     assert during != [trainer.evaluate()["eval_loss"]]  # the final theta_g holds steps 5-6 as well
     assert during == [run(H).evaluate()["eval_loss"]]
+
+
+def test_short_run_warns_about_outer_momentum_memory(tmp_path, caplog):
+    """3 rounds with Nesterov 0.9 (memory ~10 rounds): the trainer says so before training; 0.5 over 4 rounds is fine."""
+    import logging
+
+    def train(momentum: float, max_steps: int) -> list[str]:
+        caplog.clear()
+        args = DiLoCoTrainingArguments(
+            **_common_args(tmp_path / f"{momentum}", max_steps=max_steps), inner_steps=2, outer_momentum=momentum
+        )
+        with caplog.at_level(logging.WARNING, logger="hf_diloco.trainer"):
+            DiLoCoTrainer(model=_tiny_model(), args=args, train_dataset=_dataset()).train()
+        return [r.getMessage() for r in caplog.records if "outer_momentum" in r.getMessage()]
+
+    warned = train(0.9, 6)
+    assert len(warned) == 1 and "only 3" in warned[0]
+    assert train(0.5, 8) == []
