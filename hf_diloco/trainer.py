@@ -252,14 +252,15 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self.diloco is not None:
             self.diloco.close()
+        config = self.args.diloco_config()
         self.diloco = DiLoCo(
             self.diloco_module,
             self.optimizer,
-            self.args.diloco_config(),
+            config,
             topology=self._get_topology(),
             num_blocks=self.diloco_num_blocks,
         )
-        warning = self.args.diloco_config().short_run_warning(max_steps)
+        warning = config.short_run_warning(max_steps)
         if warning and self.args.should_log:
             logger.warning(warning)
         self._utilization = ComputeUtilization(lambda: self.diloco.stats["sync_wait_seconds"])

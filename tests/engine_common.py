@@ -51,6 +51,36 @@ def inner_step(model, optimizer, worker: int, step: int) -> float:
     return float(loss.detach())
 
 
+def train_engine(worker: int, config: dict, steps: int):
+    """A tiny model, AdamW and a DiLoCo engine (config: DiLoCoConfig fields) after `steps` inner steps (not closed)."""
+    from hf_diloco import DiLoCo, DiLoCoConfig
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(**config))
+    for t in range(1, steps + 1):
+        inner_step(model, optimizer, worker, t)
+        engine.step()
+    return model, optimizer, engine
+
+
+def cpu_trainer_args(output_dir, **overrides) -> dict:
+    """The TrainingArguments every trainer test shares (CPU, log every step, no saving, no reporting, seed 0)."""
+    values = dict(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        dataloader_num_workers=0,
+    )
+    values.update(overrides)
+    return values
+
+
 def reference_fragment(name: str, num_fragments: int, pattern: str, layers: int = LAYERS) -> int:
     match = re.search(r"layers\.(\d+)\.", name)
     if not match:
@@ -145,11 +175,9 @@ def reference_run(
             own_sent[p] = sent
 
     def has_tail(p: int) -> bool:  # inner steps since fragment p's last launch (or since the start)
-        last_launch = max((t for t in range(1, steps + 1) if t % inner_steps == launch_step(p)), default=0)
+        launch_step = ((p + 1) * inner_steps // num_fragments) % inner_steps
+        last_launch = max((t for t in range(1, steps + 1) if t % inner_steps == launch_step), default=0)
         return steps > last_launch
-
-    def launch_step(p: int) -> int:
-        return ((p + 1) * inner_steps // num_fragments) % inner_steps
 
     def tail_deltas(base: list[dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
         out = {}

@@ -11,7 +11,7 @@ import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
 from tests.dist_utils import run_on_processes
-from tests.engine_common import INNER_LR, inner_step, reference_run, tiny_model
+from tests.engine_common import INNER_LR, inner_step, reference_run, tiny_model, train_engine
 
 
 def _train_engine(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -220,12 +220,7 @@ def test_eager_with_one_worker_is_blocking_diloco():
 
 
 def _close_after_a_tail(rank: int, world: int, config: dict, steps: int) -> dict:
-    model = tiny_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-    engine = DiLoCo(model, optimizer, DiLoCoConfig(**config))
-    for t in range(1, steps + 1):
-        inner_step(model, optimizer, rank, t)
-        engine.step()
+    model, _, engine = train_engine(rank, config, steps)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, before)

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_diloco import DiLoCo, DiLoCoConfig
+from hf_diloco import DiLoCoConfig
 from hf_diloco.core.adaptive import CODEC_BITS, Choice, CompressionPolicy, Observation, WindowEnergyPolicy
 from hf_diloco.core.codecs import make_codec
 from hf_diloco.core.exchange import OuterExchange
 from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
-from tests.engine_common import INNER_LR, inner_step, tiny_model
+from tests.engine_common import train_engine
 
 SHAPES = [(12, 10), (10,), (6, 8), (3, 3)]  # (3, 3): rank 2 would not save bytes, so it is sent as it is
 SEED = 7
@@ -323,12 +323,7 @@ def _engine_run(rank: int, world: int, cases: list[dict]) -> list[dict]:
     for case in cases:
         case = dict(case)
         steps = case.pop("steps")
-        model = tiny_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-        engine = DiLoCo(model, optimizer, DiLoCoConfig(**case))
-        for t in range(1, steps + 1):
-            inner_step(model, optimizer, rank, t)
-            engine.step()
+        model, _, engine = train_engine(rank, case, steps)
         engine.close()
         shapes = [tuple(p.shape) for p in model.parameters()]
         out.append(

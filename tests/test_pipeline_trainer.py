@@ -18,7 +18,7 @@ from hf_diloco.core.pipeline import PipelineRunner
 from hf_diloco.pipeline_trainer import SafetensorsFolder
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import run_on_processes
-from tests.engine_common import tiny_llama
+from tests.engine_common import cpu_trainer_args, tiny_llama
 
 VOCAB, SEQ, SAMPLES = 96, 12, 48
 H, STEPS, CHECKPOINT = 4, 8, 6
@@ -69,27 +69,17 @@ PIPELINE = {"llama": dict(pipeline_schedule="1f1b"), "gpt2": dict(pipeline_sched
 
 
 def _args(out: str, batch: int, **overrides) -> DiLoCoTrainingArguments:
-    values = dict(
-        output_dir=out,
-        use_cpu=True,
+    pipeline_run = dict(
         per_device_train_batch_size=batch,
         per_device_eval_batch_size=5,  # the eval batches do not split evenly into micro-batches either
         max_steps=STEPS,
-        learning_rate=1e-2,
         max_grad_norm=0.5,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
         inner_steps=H,
         outer_lr=0.7,
         outer_momentum=0.9,
         pipeline_microbatches=2,
     )
-    values.update(overrides)
-    return DiLoCoTrainingArguments(**values)
+    return DiLoCoTrainingArguments(**cpu_trainer_args(out, **{**pipeline_run, **overrides}))
 
 
 def _train(scenario: str, out: str, resume: str | None = None, **overrides) -> DiLoCoTrainer:

@@ -27,7 +27,7 @@ from transformers import (
 from hf_diloco.config import DiLoCoConfig
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import free_port, run_on_processes
-from tests.engine_common import tiny_llama
+from tests.engine_common import cpu_trainer_args, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, SAMPLES = 128, 16, 64
@@ -45,21 +45,7 @@ def _dataset() -> Dataset:
 
 
 def _common_args(output_dir: Path, **overrides) -> dict:
-    values = dict(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        max_steps=STEPS,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    values.update(overrides)
-    return values
+    return cpu_trainer_args(output_dir, **{"per_device_train_batch_size": 2, "max_steps": STEPS, **overrides})
 
 
 def _global_parameters(trainer: DiLoCoTrainer) -> dict[str, torch.Tensor]:
