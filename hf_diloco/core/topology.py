@@ -9,6 +9,7 @@ pseudo-gradient over its own outer group and the worker all-gathers the averaged
 
 from __future__ import annotations
 
+import atexit
 import datetime
 from dataclasses import dataclass
 
@@ -152,6 +153,7 @@ class Topology:
             ],
         }
         candidates["data_parallel_sync"] = candidates["data_parallel"]
+        _tear_down_process_groups_at_exit()
         groups: dict[str, dist.ProcessGroup | None] = {"world": dist.group.WORLD}
         for name, rank_lists in candidates.items():
             groups[name] = None
@@ -168,3 +170,24 @@ def _backend_for(group_name: str) -> str:
     # The outer sync moves CPU buffers (the global copy lives off the accelerator) from a background thread,
     # so its groups are gloo whatever the training backend is.
     return "gloo" if group_name in ("outer", "data_parallel_sync") else dist.get_backend()
+
+
+_teardown_registered = False
+
+
+def _tear_down_process_groups_at_exit() -> None:
+    """Destroy the process groups when the interpreter exits, if the script has not done so itself.
+
+    Scripts written for `Trainer` rarely call `destroy_process_group()`, and each engine adds gloo groups with their
+    own threads; torn down during interpreter finalisation instead, a rank can abort ("terminate called without an
+    active exception") after a run that finished and saved everything, and torchrun then reports the job as failed.
+    """
+    global _teardown_registered
+    if not _teardown_registered:
+        atexit.register(_destroy_if_initialized)
+        _teardown_registered = True
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
