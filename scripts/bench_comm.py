@@ -51,11 +51,11 @@ METHODS = {
 }
 
 
-def prepare_data(folder: Path, block_size: int) -> dict:
+def prepare_data(folder: Path, block_size: int, train_files: int = 200, vocab_size: int = 4096) -> dict:
     from hf_diloco.data import build_tokenizer, load_text_dataset, tokenize_and_group
 
-    raw = load_text_dataset({"max_train_samples": 200, "max_eval_samples": 12})
-    tokenizer = build_tokenizer({"vocab_size": 4096}, raw["train"]["text"])
+    raw = load_text_dataset({"max_train_samples": train_files, "max_eval_samples": 12})
+    tokenizer = build_tokenizer({"vocab_size": vocab_size}, raw["train"]["text"])
     blocks = tokenize_and_group(raw, tokenizer, block_size)
     data = {
         "train": torch.tensor(blocks["train"]["input_ids"]),
@@ -114,10 +114,11 @@ def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
 
 def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.modeling import build_model
+    from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model
 
     data = torch.load(Path(folder) / "data.pt")
-    model = build_model(None, data["vocab"], *data["ids"], seed=args.seed)
+    spec = {"config": {**DEFAULT_MODEL_CONFIG, **json.loads(args.model)}} if args.model else None
+    model = build_model(spec, data["vocab"], *data["ids"], seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(args.steps, args.warmup))
     engine, counter, trained = None, {"bytes": 0}, model
@@ -204,13 +205,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--log_every", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0, help="Seed of the model's random init (same for every method).")
+    parser.add_argument(
+        "--model",
+        default="",
+        help='JSON overrides of the default model config, e.g. \'{"hidden_size": 64, "num_hidden_layers": 2}\'.',
+    )
+    parser.add_argument("--vocab_size", type=int, default=4096, help="Vocabulary of the locally trained tokenizer.")
+    parser.add_argument("--train_files", type=int, default=200, help="Corpus files in the training split.")
     parser.add_argument("--out", default="benchmarks/comm")
     args = parser.parse_args(argv)
     from tests.dist_utils import run_on_processes
 
     results = []
     with tempfile.TemporaryDirectory() as folder:
-        prepare_data(Path(folder), args.block_size)
+        data = prepare_data(Path(folder), args.block_size, args.train_files, args.vocab_size)
+        print(f"training split: {len(data['train']) * args.block_size:,} tokens", flush=True)
         for spec in args.methods:
             try:
                 method, _, workers = parse_method(spec)
