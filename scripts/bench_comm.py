@@ -182,7 +182,7 @@ def _cosine(total: int, warmup: int):
     return factor
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--methods",
@@ -213,6 +213,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--vocab_size", type=int, default=4096, help="Vocabulary of the locally trained tokenizer.")
     parser.add_argument("--train_files", type=int, default=200, help="Corpus files in the training split.")
     parser.add_argument("--out", default="benchmarks/comm")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     from tests.dist_utils import run_on_processes
 
