@@ -1,6 +1,6 @@
 """How good is eager overlap's estimate of the round's average? Measures it on a real 2-worker run.
 
-    python scripts/eager_estimate_error.py --long
+    python scripts/bench_eager_estimate.py --long
 
 Eager (Kale et al.) starts round r+1 from a look-ahead with the estimate Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M
 instead of the true avg^r, which arrives one round later. This script trains `eager_fp4` with bench_comm.py's model,
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", default="eager_fp4:outer_lr=0.5,outer_momentum=0.5")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token_budget", type=int, default=0, help="Override the regime's token budget.")
-    parser.add_argument("--out", default="benchmarks/eager_estimate_error.json")
+    parser.add_argument("--out", default="benchmarks/eager_estimate.json")
     args = parser.parse_args(argv)
     comm_argv = ["--seed", str(args.seed)]
     if args.long:

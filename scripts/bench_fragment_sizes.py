@@ -1,6 +1,6 @@
 """Peak per-sync bytes of Streaming DiLoCo on real model shapes: each fragment's share of the model.
 
-    python scripts/fragment_sizes.py --num_fragments 4
+    python scripts/bench_fragment_sizes.py --num_fragments 4
 
 Builds each model on the meta device (no memory, no download: the shapes are written below from the published
 configs), partitions it exactly as the engine does (`core/fragments.py`: blocks strided over P fragments, every
