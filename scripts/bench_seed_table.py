@@ -1,0 +1,87 @@
+"""Per-seed loss gaps from several bench_comm.py / bench_quality.py runs, with their mean and standard error.
+
+    python scripts/bench_seed_table.py benchmarks/quality_long.json benchmarks/sweeps/long_seed*.json \
+        --versus eager_fp4=diloco_fp4 adaptive_fp4=eager_fp4
+
+Each JSON is one run (one `--seed`, read from its command line). A method is compared with the DDP run of the same
+file and the same number of workers (`ddp@1`, plain AdamW, for single-worker methods; the multi-worker DDP run for the
+others), or with the method named by `--versus name=reference` (method names without overrides, e.g. `eager_fp4`).
+The gap is `loss / reference - 1`; a method is reported only for the seeds where it and its reference both ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+
+def load_run(path: Path) -> tuple[int, list[dict]]:
+    run = json.loads(path.read_text())
+    match = re.search(r"--seed (\d+)", run["command"])
+    return (int(match.group(1)) if match else 0), run["results"]
+
+
+def base_name(method: str) -> str:
+    return method.split("@")[0].split(":")[0]
+
+
+def reference_of(result: dict, results: list[dict], versus: dict[str, str]) -> dict | None:
+    wanted = versus.get(base_name(result["method"]))
+    for other in results:
+        if other is result:
+            continue
+        if wanted is not None:
+            if base_name(other["method"]) == wanted and other["workers"] == result["workers"]:
+                return other
+        elif base_name(other["method"]) == "ddp" and other["workers"] == result["workers"]:
+            return other
+    return None
+
+
+def gap_table(runs: dict[int, list[dict]], versus: dict[str, str]) -> list[str]:
+    seeds = sorted(runs)
+    gaps: dict[str, dict[int, float]] = {}
+    labels: dict[str, str] = {}
+    for seed in seeds:
+        for result in runs[seed]:
+            reference = reference_of(result, runs[seed], versus)
+            if reference is None:
+                continue
+            gaps.setdefault(result["method"], {})[seed] = result["eval_loss"] / reference["eval_loss"] - 1
+            labels[result["method"]] = reference["method"]
+    lines = [
+        "| method | vs | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | std. error |",
+        "|---|---|" + "---|" * len(seeds) + "---|---|",
+    ]
+    for method, per_seed in gaps.items():
+        values = list(per_seed.values())
+        cells = [f"{100 * per_seed[s]:+.2f}%" if s in per_seed else "" for s in seeds]
+        error = f"{100 * statistics.stdev(values) / len(values) ** 0.5:.2f}%" if len(values) > 1 else "-"
+        lines.append(
+            f"| {method} | {labels[method]} | "
+            + " | ".join(cells)
+            + f" | **{100 * statistics.fmean(values):+.2f}%** | {error} |"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="JSON files written by bench_comm.py (one per seed).")
+    parser.add_argument("--versus", nargs="*", default=[], help="`method=reference` pairs (names without overrides).")
+    args = parser.parse_args(argv)
+    versus = dict(pair.split("=", 1) for pair in args.versus)
+    runs: dict[int, list[dict]] = {}
+    for path in args.runs:
+        seed, results = load_run(path)
+        if seed in runs:
+            parser.error(f"two runs for seed {seed} ({path}); pass one file per seed")
+        runs[seed] = results
+    print("\n".join(gap_table(runs, versus)))
+
+
+if __name__ == "__main__":
+    main()
