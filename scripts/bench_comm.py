@@ -296,18 +296,39 @@ def _plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_bytes) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     tokens_per_step = args.batch_size * args.block_size
-    for r in results:
+    labels = [_short_label(r["method"]) for r in results]
+    for r, label in zip(results, labels):
         steps, losses = zip(*r["train_curve"])
         workers = r.get("workers", args.workers)
-        ax_loss.plot([s * tokens_per_step * workers for s in steps], losses, label=r["method"])
-    ax_loss.set(xlabel="tokens (all workers)", ylabel="train loss (worker 0)", title="Loss vs tokens")
-    ax_loss.legend()
-    ax_bytes.bar([r["method"] for r in results], [r["bytes_per_token"] for r in results])
-    ax_bytes.set(yscale="log", ylabel="bytes sent per token per worker", title="Communication")
+        # One batch's loss swings by a whole nat between batches; a running mean over ~10% of the run shows the trend.
+        ax_loss.plot([s * tokens_per_step * workers for s in steps], _running_mean(losses), label=label)
+    ax_loss.set(xlabel="tokens (all workers)", ylabel="train loss, worker 0 (running mean)", title="Loss vs tokens")
+    ax_loss.legend(fontsize=8)
+    positions = range(len(results))
+    sent = [r["bytes_per_token"] for r in results]
+    ax_bytes.barh(positions, [value if value > 0 else float("nan") for value in sent])
+    for position, value in zip(positions, sent):
+        if value <= 0:
+            ax_bytes.annotate("sends nothing", (0.02, position), xycoords=("axes fraction", "data"), va="center")
+    ax_bytes.set_yticks(positions, labels, fontsize=8)
+    ax_bytes.invert_yaxis()
+    ax_bytes.set(xscale="log", xlabel="bytes sent per token per worker (log)", title="Communication")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _short_label(method: str) -> str:
+    """`name:overrides@M` -> `name@M` (the full specs are in the table)."""
+    body, _, workers = method.partition("@")
+    return body.partition(":")[0] + (f"@{workers}" if workers else "")
+
+
+def _running_mean(values: list[float]) -> list[float]:
+    window = max(1, len(values) // 10)
+    return [sum(values[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1)) for i in range(len(values))]
 
 
 if __name__ == "__main__":
