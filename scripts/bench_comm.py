@@ -314,7 +314,9 @@ def _plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:
             ax_bytes.annotate("sends nothing", (0.02, position), xycoords=("axes fraction", "data"), va="center")
     ax_bytes.set_yticks(positions, labels, fontsize=8)
     ax_bytes.invert_yaxis()
-    ax_bytes.set(xscale="log", xlabel="bytes sent per token per worker (log)", title="Communication")
+    if any(value > 0 for value in sent):
+        ax_bytes.set_xscale("log")
+    ax_bytes.set(xlabel="bytes sent per token per worker (log)", title="Communication")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
