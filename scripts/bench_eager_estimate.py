@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         outcome = run_on_processes(recording_worker, 2, args.method, run_args, folder, timeout_seconds=3600)
     rounds = outcome[0]["rounds"]
     print(f"{args.method}, {run_args.steps} steps per worker, eval loss {outcome[0]['eval_loss']:.4f}")
-    print("| inner step | ||avg|| | ||estimate - avg|| / ||avg|| | cos(avg^{r-1}, avg^r) |")
+    print("| inner step | norm(avg) | norm(estimate - avg) / norm(avg) | cos(avg^{r-1}, avg^r) |")
     print("|---|---|---|---|")
     for row in rounds:
         error, cosine = row.get("estimate_error"), row.get("consecutive_cosine")
@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     errors = [row["estimate_error"] for row in rounds if "estimate_error" in row]
     cosines = [row["consecutive_cosine"] for row in rounds if "consecutive_cosine" in row]
     if errors and cosines:
-        print(f"median estimate error {statistics.median(errors):.3f}, median cosine {statistics.median(cosines):.3f}")
+        print(
+            f"\nmedian estimate error {statistics.median(errors):.3f}, median cosine {statistics.median(cosines):.3f}"
+        )
     Path(args.out).write_text(json.dumps({"argv": comm_argv, "method": args.method, "workers": outcome}, indent=1))
 
 

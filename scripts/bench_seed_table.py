@@ -3,7 +3,7 @@
     python scripts/bench_seed_table.py benchmarks/quality_long.json benchmarks/sweeps/long_seed*.json \
         --versus eager_fp4=diloco_fp4 adaptive_fp4=eager_fp4
 
-Each JSON is one run (one `--seed`, read from its command line). A method is compared with the DDP run of the same
+Each JSON is one run (one `--seed`, read from its command line); runs of the same seed are merged. A method is compared with the DDP run of the same
 file and the same number of workers (`ddp@1`, plain AdamW, for single-worker methods; the multi-worker DDP run for the
 others), or with the method named by `--versus name=reference` (method names without overrides, e.g. `eager_fp4`).
 The gap is `loss / reference - 1`; a method is reported only for the seeds where it and its reference both ran.
@@ -77,9 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[int, list[dict]] = {}
     for path in args.runs:
         seed, results = load_run(path)
-        if seed in runs:
-            parser.error(f"two runs for seed {seed} ({path}); pass one file per seed")
-        runs[seed] = results
+        earlier = {r["method"] for r in runs.get(seed, [])}
+        repeated = sorted(earlier & {r["method"] for r in results})
+        if repeated:
+            parser.error(f"{path}: seed {seed} already has {repeated} from another file")
+        runs.setdefault(seed, []).extend(results)
     print("\n".join(gap_table(runs, versus)))
 
 
