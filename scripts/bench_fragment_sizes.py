@@ -19,59 +19,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# model_type and the fields that decide the parameter count, from each model's published config.json.
+
+def decoder(model_type: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, tied: bool):
+    """Config fields of a Llama-style decoder (the fields that decide its parameter count)."""
+    return dict(
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        tie_word_embeddings=tied,
+    )
+
+
+# From each model's published config.json.
 SHAPES = {
-    "bench model (scripts/bench_comm.py)": dict(
-        model_type="llama",
-        vocab_size=4096,
-        hidden_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=384,
-        tie_word_embeddings=True,
-    ),
-    "bench --long model (scripts/bench_quality.py)": dict(
-        model_type="llama",
-        vocab_size=1024,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        intermediate_size=128,
-        tie_word_embeddings=True,
-    ),
+    "bench model (scripts/bench_comm.py)": decoder("llama", 4096, 128, 4, 4, 4, 384, tied=True),
+    "bench --long model (scripts/bench_quality.py)": decoder("llama", 1024, 64, 4, 4, 4, 128, tied=True),
     "GPT-2 (124M)": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12),
-    "Qwen2-0.5B": dict(
-        model_type="qwen2",
-        vocab_size=151936,
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
-        tie_word_embeddings=True,
-    ),
-    "Llama-2-7B": dict(
-        model_type="llama",
-        vocab_size=32000,
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        intermediate_size=11008,
-        tie_word_embeddings=False,
-    ),
-    "Llama-3-70B": dict(
-        model_type="llama",
-        vocab_size=128256,
-        hidden_size=8192,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        intermediate_size=28672,
-        tie_word_embeddings=False,
-    ),
+    "Qwen2-0.5B": decoder("qwen2", 151936, 896, 24, 14, 2, 4864, tied=True),
+    "Llama-2-7B": decoder("llama", 32000, 4096, 32, 32, 32, 11008, tied=False),
+    "Llama-3-70B": decoder("llama", 128256, 8192, 80, 64, 8, 28672, tied=False),
 }
 
 
