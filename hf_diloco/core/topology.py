@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
+import weakref
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -86,6 +88,13 @@ class Topology:
         self.pipeline_group = groups.get("pipeline")
         self.outer_group = groups.get("outer")
         self.world_group = groups.get("world")
+        if any(group is not None for group in groups.values()):
+            _live_topologies.add(self)
+
+    def release_groups(self) -> None:
+        """Drop this topology's references to its process groups (they must not outlive the interpreter's teardown)."""
+        self.worker_group = self.data_parallel_group = self.data_parallel_sync_group = None
+        self.pipeline_group = self.outer_group = self.world_group = None
 
     @property
     def num_workers(self) -> int:
@@ -173,6 +182,7 @@ def _backend_for(group_name: str) -> str:
 
 
 _teardown_registered = False
+_live_topologies: weakref.WeakSet[Topology] = weakref.WeakSet()
 
 
 def _tear_down_process_groups_at_exit() -> None:
@@ -181,6 +191,7 @@ def _tear_down_process_groups_at_exit() -> None:
     Scripts written for `Trainer` rarely call `destroy_process_group()`, and each engine adds gloo groups with their
     own threads; torn down during interpreter finalisation instead, a rank can abort ("terminate called without an
     active exception") after a run that finished and saved everything, and torchrun then reports the job as failed.
+    The handler destroys the groups and frees the ones this package still references, while the interpreter is whole.
     """
     global _teardown_registered
     if not _teardown_registered:
@@ -191,3 +202,9 @@ def _tear_down_process_groups_at_exit() -> None:
 def _destroy_if_initialized() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # destroy_process_group() unregisters the groups, but a group object still referenced from Python (a trainer
+    # kept in a script's globals holds its topology) would be freed during interpreter finalisation, when its gloo
+    # threads can no longer take the GIL. Free them now, while the interpreter is whole.
+    for topology in list(_live_topologies):
+        topology.release_groups()
+    gc.collect()
