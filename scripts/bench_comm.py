@@ -216,6 +216,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def steps_for_budget(args: argparse.Namespace, workers: int) -> int:
+    """Inner steps per worker so that `workers` workers train on `--token_budget` tokens in total."""
+    return args.token_budget // (workers * args.batch_size * args.block_size)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
@@ -237,7 +242,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_args = argparse.Namespace(**vars(args))
             run_args.workers = workers or args.workers
             if args.token_budget:
-                run_args.steps = args.token_budget // (run_args.workers * args.batch_size * args.block_size)
+                run_args.steps = steps_for_budget(args, run_args.workers)
             print(f"running {spec} ({run_args.workers} workers, {run_args.steps} steps) ...", flush=True)
             outcome = run_on_processes(
                 worker, run_args.workers, spec.partition("@")[0], run_args, folder, timeout_seconds=3600

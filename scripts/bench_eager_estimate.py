@@ -70,18 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--token_budget", type=int, default=0, help="Override the regime's token budget.")
     parser.add_argument("--out", default="benchmarks/eager_estimate.json")
     args = parser.parse_args(argv)
-    comm_argv = ["--seed", str(args.seed)]
-    if args.long:
-        comm_argv += [
-            item for flag, value in bench_quality.LONG_RUN.items() if flag != "--out" for item in (flag, value)
-        ]
-    else:
-        comm_argv += ["--token_budget", str(800 * 8 * 128)]
-    if args.token_budget:
-        comm_argv += ["--token_budget", str(args.token_budget)]
+    comm_argv = ["--seed", str(args.seed)] + (["--token_budget", str(args.token_budget)] if args.token_budget else [])
+    comm_argv = bench_quality.with_defaults(comm_argv, bench_quality.regime_defaults(args.long))
     run_args = bench_comm.parse_args(comm_argv)
     run_args.workers = 2
-    run_args.steps = run_args.token_budget // (run_args.workers * run_args.batch_size * run_args.block_size)
+    run_args.steps = bench_comm.steps_for_budget(run_args, run_args.workers)
     with tempfile.TemporaryDirectory() as folder:
         bench_comm.prepare_data(Path(folder), run_args.block_size, run_args.train_files, run_args.vocab_size)
         outcome = run_on_processes(recording_worker, 2, args.method, run_args, folder, timeout_seconds=3600)

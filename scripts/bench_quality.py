@@ -49,22 +49,26 @@ LONG_RUN = {
 }
 
 
+def regime_defaults(long: bool) -> dict[str, str]:
+    """bench_comm.py flags of a regime: the default one (0.6 tokens per parameter) or `--long` (7.5)."""
+    return dict(LONG_RUN) if long else {"--token_budget": str(800 * 8 * 128), "--out": "benchmarks/quality"}
+
+
+def with_defaults(argv: list[str], defaults: dict[str, str]) -> list[str]:
+    """`argv` plus every flag of `defaults` it does not set itself."""
+    return argv + [item for flag, value in defaults.items() if flag not in argv for item in (flag, value)]
+
+
 def main(argv: list[str] | None = None) -> None:
     import bench_comm
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--long" in argv:
+    long = "--long" in argv
+    if long:
         argv.remove("--long")
-        for flag, value in LONG_RUN.items():
-            if flag not in argv:
-                argv += [flag, value]
     if "--methods" not in argv:
         argv += ["--methods", *QUALITY_METHODS]
-    if "--token_budget" not in argv:
-        argv += ["--token_budget", str(800 * 8 * 128)]
-    if "--out" not in argv:
-        argv += ["--out", "benchmarks/quality"]
-    bench_comm.main(argv)
+    bench_comm.main(with_defaults(argv, regime_defaults(long)))
 
 
 if __name__ == "__main__":

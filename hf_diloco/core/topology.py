@@ -89,6 +89,7 @@ class Topology:
         self.outer_group = groups.get("outer")
         self.world_group = groups.get("world")
         if any(group is not None for group in groups.values()):
+            _tear_down_process_groups_at_exit()
             _live_topologies.add(self)
 
     def release_groups(self) -> None:
@@ -162,7 +163,6 @@ class Topology:
             ],
         }
         candidates["data_parallel_sync"] = candidates["data_parallel"]
-        _tear_down_process_groups_at_exit()
         groups: dict[str, dist.ProcessGroup | None] = {"world": dist.group.WORLD}
         for name, rank_lists in candidates.items():
             groups[name] = None
