@@ -2,8 +2,9 @@
 
     python scripts/bench_eager_estimate.py --long
 
-Eager (Kale et al.) starts round r+1 from a look-ahead with the estimate Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M
-instead of the true avg^r, which arrives one round later. This script trains `eager_fp4` with bench_comm.py's model,
+Eager (Kale et al.) feeds each worker's own outer optimizer Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M (its own
+contribution fresh, the others' one round stale) where blocking DiLoCo would use the true avg^r, which arrives one
+round later. This script trains `eager_fp4` with bench_comm.py's model,
 data and optimizer (`--long`: bench_quality.py's longer-run model) and records, for every round whose true average
 arrives, the relative error ||Δ~ - avg|| / ||avg|| of the estimate and the cosine between consecutive averages
 avg^{r-1}, avg^r (the stale part of the estimate is only as good as consecutive rounds are alike). The instrumentation
@@ -32,11 +33,12 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
     records: list[dict] = []
     estimates: dict[int, torch.Tensor] = {}
     previous_average: dict[int, torch.Tensor] = {}
-    look_ahead, finish_round = DiLoCo._look_ahead, DiLoCo._finish_round
+    eager_update, finish_round = DiLoCo._eager_update, DiLoCo._finish_round
 
-    def recording_look_ahead(self, fragment, gradient):
-        estimates[fragment] = gradient.detach().clone()
-        return look_ahead(self, fragment, gradient)
+    def recording_eager_update(self, fragment, delta, previous, average):
+        if average is not None:  # a first round's Δ~ = Δm / M is not meant as an estimate of the average
+            estimates[fragment] = self._eager_estimate(delta, previous, average).detach().clone()
+        return eager_update(self, fragment, delta, previous, average)
 
     def recording_finish_round(self, fragment, flight):
         average = finish_round(self, fragment, flight)
@@ -51,7 +53,7 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
             previous_average[fragment] = average.detach().clone()
         return average
 
-    DiLoCo._look_ahead, DiLoCo._finish_round = recording_look_ahead, recording_finish_round
+    DiLoCo._eager_update, DiLoCo._finish_round = recording_eager_update, recording_finish_round
     result = bench_comm.worker(rank, world, method, args, folder)
     result["rounds"] = records
     return result

@@ -113,11 +113,13 @@ def reference_run(
     own_sent: dict[int, list[dict[str, torch.Tensor]]] = {}
     anchor = [{n: glob[n].clone() for n in names} for _ in range(workers)]
 
-    def outer_update(values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor]) -> None:
+    eager_buf: list[dict[str, torch.Tensor]] = [{} for _ in range(workers)]  # each worker's own outer momentum
+
+    def outer_update(values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor], momentum_of=buf) -> None:
         for n, g in mean_delta.items():
-            b = buf.get(n)
+            b = momentum_of.get(n)
             b = g.clone() if b is None else momentum * b + g
-            buf[n] = b
+            momentum_of[n] = b
             step_dir = g + momentum * b if momentum > 0 else g
             values[n] = values[n] - outer_lr * step_dir
 
@@ -159,19 +161,20 @@ def reference_run(
                     for n in frag_names:
                         set_local(w, n, glob[n])
                     continue
+                # Kale et al.: own contribution fresh, the others' one round stale, fed to this worker's own
+                # outer optimizer; its trajectory starts from the global model and its momentum.
                 if previous is None:
-                    estimate = sent[w]
+                    estimate = {n: sent[w][n] / workers for n in frag_names}
+                    for n in frag_names:
+                        anchor[w][n] = glob[n].clone()
+                        if n in buf:
+                            eager_buf[w][n] = buf[n].clone()
                 else:
-                    estimate = {n: previous[1][n] + (sent[w][n] - own_sent[p][w][n]) / workers for n in frag_names}
-                saved_buf = {n: buf[n].clone() for n in frag_names if n in buf}
-                look = {n: glob[n].clone() for n in frag_names}
-                outer_update(look, estimate)
+                    others = {n: previous[1][n] - own_sent[p][w][n] / workers for n in frag_names}
+                    estimate = {n: sent[w][n] / workers + others[n] for n in frag_names}
+                outer_update(anchor[w], estimate, eager_buf[w])
                 for n in frag_names:
-                    buf.pop(n, None)
-                buf.update(saved_buf)
-                for n in frag_names:
-                    anchor[w][n] = look[n]
-                    set_local(w, n, look[n])
+                    set_local(w, n, anchor[w][n])
             own_sent[p] = sent
 
     def has_tail(p: int) -> bool:  # inner steps since fragment p's last launch (or since the start)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import random
 import time
@@ -243,3 +244,39 @@ def test_close_syncs_the_tail_so_no_training_is_dropped():
         _assert_close(result["global"], results[0]["mean_local_before_close"], atol=1e-6)
     aligned = run_on_processes(_close_after_a_tail, 2, dict(inner_steps=4), 8)
     assert aligned[0]["final_syncs"] == 0 and aligned[0]["close_bytes"] == 0  # nothing trained since the last sync
+
+
+def _resume_mid_round(rank: int, world: int, overlap: str) -> dict:
+    """Uninterrupted vs save at a mid-round step (an exchange in flight) and load into fresh objects."""
+    config, steps, saved_at = dict(inner_steps=4, num_fragments=2, overlap=overlap), 15, 10
+    model, optimizer, engine = train_engine(rank, config, saved_at)
+    buffer = io.BytesIO()
+    torch.save(engine.state_dict(), buffer)  # as a checkpoint does: the live state keeps changing below
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    for t in range(saved_at + 1, steps + 1):
+        inner_step(model, optimizer, rank, t)
+        engine.step()
+    engine.close()
+    model_b = tiny_model(seed=7)  # other weights: everything must come from the state
+    optimizer_b = torch.optim.AdamW(model_b.parameters(), lr=INNER_LR)
+    engine_b = DiLoCo(model_b, optimizer_b, DiLoCoConfig(**config))
+    engine_b.load_state_dict(state)
+    for t in range(saved_at + 1, steps + 1):
+        inner_step(model_b, optimizer_b, rank, t)
+        engine_b.step()
+    engine_b.close()
+    pairs = (
+        (engine.global_parameters(), engine_b.global_parameters()),
+        (dict(model.named_parameters()), dict(model_b.named_parameters())),
+    )
+    return {"equal": all(torch.equal(a[n], b[n]) for a, b in pairs for n in a), "in_flight": len(state["pending"])}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("overlap", ["delayed", "eager"])
+def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap):
+    """Invariant 5 for the round-long overlaps: the in-flight round and eager's own outer state are in the state."""
+    for result in run_on_processes(_resume_mid_round, 2, overlap):
+        assert result["in_flight"] == 2
+        assert result["equal"]

@@ -84,10 +84,10 @@ def test_robust_clip_scales_an_outlier_to_factor_times_median():
     assert [clipped for _, clipped in results] == [False, False, True]
 
 
-def _nan_worker(rank: int, world: int) -> dict:
+def _nan_worker(rank: int, world: int, overlap: str = "streaming") -> dict:
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=2))
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=2, overlap=overlap))
     initial = {n: v.clone() for n, v in engine.global_parameters().items()}
     snapshots = {}
     for t in range(1, 7):
@@ -119,6 +119,21 @@ def test_non_finite_pseudo_gradient_skips_the_round_on_every_worker():
             assert torch.equal(result["local_after_skip"][name], value)  # and every worker restarted from it
         assert all(torch.isfinite(v).all() for v in result["final"].values())
     assert results[1]["stats"]["inner_state_resets"] >= 1  # the diverged worker's Adam moments were dropped
+    for name in results[0]["final"]:
+        assert torch.equal(results[0]["final"][name], results[1]["final"][name])
+
+
+@pytest.mark.timeout(180)
+def test_eager_worker_recovers_from_its_own_non_finite_round():
+    """Eager applies its own Δm at once: a NaN one must not poison its trajectory beyond the rounds it spoils."""
+    results = run_on_processes(_nan_worker, 2, "eager")
+    for result in results:
+        # Round 1 (NaN from step 1) and round 2 (trained from NaN Adam moments, dropped when round 1 is skipped)
+        # are skipped everywhere; round 3 trains again from the agreed theta_g and goes through.
+        assert result["stats"]["skipped_nonfinite"] == 2
+        assert result["stats"]["outer_steps"] == 1
+        assert all(torch.isfinite(v).all() for v in result["final"].values())
+        assert any(not torch.equal(result["final"][n], v) for n, v in result["initial"].items())
     for name in results[0]["final"]:
         assert torch.equal(results[0]["final"][name], results[1]["final"][name])
 

@@ -50,10 +50,15 @@ class DiLoCo:
         at launch r: send Δm^r = θg - θm; then wait for round r-1, θg <- OuterOpt(θg, avg^{r-1}); θm <- θg.
         Each round starts from a global model that lacks the previous round's update (hence its loss penalty).
     overlap="eager" (Kale et al.): own contribution fresh, the others one round stale, corrected a round later.
-        at launch r: send Δm^r = a_m - θm (a_m: this worker's start point of the round); wait for round r-1 and
-        apply the true average, θg <- OuterOpt(θg, avg^{r-1}); estimate this round's average as
-        Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M (Δ~ = Δm^1 in the first round); θm <- a_m <- OuterOpt'(θg, Δ~), where
-        OuterOpt' is a look-ahead step whose optimizer state is thrown away. θg only ever sees true averages.
+        Each worker runs its own trajectory a_m (its start point of every round) with its own outer optimizer state
+        OuterOpt_m (same settings as OuterOpt), fed Δ~ every round:
+        at launch r: send Δm^r = a_m - θm; wait for round r-1 and apply the true average to θg,
+        θg <- OuterOpt(θg, avg^{r-1}); then Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M
+        (= (1/M)·Δm^r + (1/M)·sum_{k≠m} Δk^{r-1}); θm <- a_m <- OuterOpt_m(a_m, Δ~).
+        Summed over rounds, a_m has received every worker's contribution exactly once (its own at once, the others'
+        one round later; the -Δm^{r-1}/M is the correction of the round before). θg, which is evaluated and saved,
+        only ever sees true averages and is identical on every worker; a_m is per worker. In the first round, and
+        after a round skipped on every worker, a_m and OuterOpt_m restart from θg and its state, and Δ~ = Δm^r / M.
     `close()` waits for what is in flight and applies it at once, then syncs each fragment's tail (steps since its
     last launch) by a plain average, θg <- θg - avg (no outer step), so θg holds every inner step; θm <- θg.
 
@@ -89,7 +94,8 @@ class DiLoCo:
         self._device = torch.device(config.global_copy_device)
         self._global = [self._flatten_local(p).to(self._device) for p in range(config.num_fragments)]
         self._anchor = [g.clone() for g in self._global] if config.overlap == "eager" else None
-        self._outer_optimizer = self._make_outer_optimizer()
+        self._outer_optimizer = self._make_outer_optimizer(self._global)
+        self._anchor_optimizer = None if self._anchor is None else self._make_outer_optimizer(self._anchor)
         self._residual: list[torch.Tensor | None] = [None] * config.num_fragments
         self._in_flight: dict[int, _InFlight] = {}
         self.exchange = OuterExchange(
@@ -153,7 +159,7 @@ class DiLoCo:
                 self._finish_round(fragment, self._in_flight.pop(fragment))
                 self._write_local(fragment, self._global[fragment])
                 if self._anchor is not None:
-                    self._anchor[fragment] = self._global[fragment].clone()
+                    self._restart_eager_trajectory(fragment)
         for fragment in tails:
             # delayed/eager: the tail is measured from where the round started, before the drain reset θm.
             self._sync_tail(fragment, early[fragment] if fragment in early else self._pseudo_gradient(fragment))
@@ -210,6 +216,7 @@ class DiLoCo:
             "local": [self._flatten_local(p) for p in range(len(self._fragments))],
             "anchor": None if self._anchor is None else [a.clone() for a in self._anchor],
             "outer_optimizer": self._outer_optimizer.state_dict(),
+            "anchor_optimizer": None if self._anchor_optimizer is None else self._anchor_optimizer.state_dict(),
             "inner_optimizer": None if self.inner_optimizer is None else self.inner_optimizer.state_dict(),
             "residual": list(self._residual),
             "pending": pending,
@@ -229,10 +236,13 @@ class DiLoCo:
             raise ValueError("This DiLoCo checkpoint does not match the model's parameters (fragment sizes differ).")
         self.inner_step = int(state["inner_step"])
         self._global = [g.to(self._device).clone() for g in state["global"]]
-        self._outer_optimizer = self._make_outer_optimizer()
+        self._outer_optimizer = self._make_outer_optimizer(self._global)
         self._outer_optimizer.load_state_dict(state["outer_optimizer"])
         if state["anchor"] is not None:
             self._anchor = [a.to(self._device).clone() for a in state["anchor"]]
+            self._anchor_optimizer = self._make_outer_optimizer(self._anchor)
+            if state.get("anchor_optimizer") is not None:
+                self._anchor_optimizer.load_state_dict(state["anchor_optimizer"])
         for fragment, values in enumerate(state["local"]):
             self._write_local(fragment, values)
         if self.inner_optimizer is not None and state["inner_optimizer"] is not None:
@@ -312,10 +322,30 @@ class DiLoCo:
         if mode == "delayed":
             self._write_local(fragment, self._global[fragment])
             return
-        estimate = delta if average is None else average + (delta - previous.sent) / self.topology.num_workers
-        start = self._look_ahead(fragment, estimate)
-        self._anchor[fragment] = start
-        self._write_local(fragment, start)
+        self._eager_update(fragment, delta, previous, average)
+
+    def _eager_update(
+        self, fragment: int, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
+    ) -> None:
+        """a_m <- OuterOpt_m(a_m, Δ~) and θm <- a_m (the exact rule is in the class docstring)."""
+        if average is None:  # first round, or round r-1 skipped everywhere: restart from the agreed θg
+            self._restart_eager_trajectory(fragment)
+        estimate = self._eager_estimate(delta, previous, average)
+        if not bool(torch.isfinite(estimate).all()):
+            # This worker's own Δm is non-finite; its round will be skipped everywhere, so start over from θg.
+            self._restart_eager_trajectory(fragment)
+        else:
+            self._optimizer_step(self._anchor_optimizer, self._anchor, fragment, estimate)
+        self._write_local(fragment, self._anchor[fragment])
+
+    def _eager_estimate(
+        self, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Δ~: this worker's Δm^r / M plus the others' share of avg^{r-1} (none in a first or restarted round)."""
+        workers = self.topology.num_workers
+        if average is None:
+            return delta / workers
+        return average + (delta - previous.sent) / workers
 
     def _apply_streaming(self, fragment: int, tau_override: int | None = None) -> None:
         flight = self._in_flight.pop(fragment)
@@ -426,36 +456,34 @@ class DiLoCo:
 
     # ----------------------------------------------------------------------------------------------- outer optimizer
 
-    def _make_outer_optimizer(self) -> torch.optim.Optimizer:
+    def _make_outer_optimizer(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
         momentum = self.config.outer_momentum
         return torch.optim.SGD(
-            self._global,
+            tensors,
             lr=self.config.outer_lr,
             momentum=momentum,
             nesterov=self.config.outer_nesterov and momentum > 0,
         )
 
     def _outer_step(self, fragment: int, gradient: torch.Tensor) -> None:
-        for index, tensor in enumerate(self._global):
-            tensor.grad = gradient if index == fragment else None
-        self._outer_optimizer.step()
-        self._global[fragment].grad = None
+        self._optimizer_step(self._outer_optimizer, self._global, fragment, gradient)
 
-    def _look_ahead(self, fragment: int, gradient: torch.Tensor) -> torch.Tensor:
-        """θg after one outer step with `gradient`, leaving θg and the outer optimizer state untouched."""
-        param = self._global[fragment]
-        saved_param = param.detach().clone()
-        saved_state = {
-            k: v.clone() if torch.is_tensor(v) else v for k, v in self._outer_optimizer.state[param].items()
-        }
-        self._outer_step(fragment, gradient)
-        result = param.detach().clone()
-        param.data.copy_(saved_param)
-        if saved_state:
-            self._outer_optimizer.state[param] = saved_state
-        else:
-            self._outer_optimizer.state.pop(param, None)
-        return result
+    @staticmethod
+    def _optimizer_step(
+        optimizer: torch.optim.Optimizer, tensors: list[torch.Tensor], fragment: int, gradient: torch.Tensor
+    ) -> None:
+        """One optimizer step on `tensors[fragment]` alone (the other fragments' tensors have no gradient)."""
+        for index, tensor in enumerate(tensors):
+            tensor.grad = gradient if index == fragment else None
+        optimizer.step()
+        tensors[fragment].grad = None
+
+    def _restart_eager_trajectory(self, fragment: int) -> None:
+        """a_m <- θg and OuterOpt_m's state <- OuterOpt's, for one fragment (in place: the optimizer holds a_m)."""
+        anchor, glob = self._anchor[fragment], self._global[fragment]
+        anchor.data.copy_(glob)
+        state = self._outer_optimizer.state.get(glob, {})
+        self._anchor_optimizer.state[anchor] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
     # ----------------------------------------------------------------------------------------------- parameters
 
