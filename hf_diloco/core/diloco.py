@@ -158,11 +158,11 @@ class DiLoCo:
             else:
                 self._finish_round(fragment, self._in_flight.pop(fragment))
                 self._write_local(fragment, self._global[fragment])
-                if self._anchor is not None:
-                    self._restart_eager_trajectory(fragment)
         for fragment in tails:
             # delayed/eager: the tail is measured from where the round started, before the drain reset θm.
             self._sync_tail(fragment, early[fragment] if fragment in early else self._pseudo_gradient(fragment))
+        for fragment in range(self.config.num_fragments if self._anchor is not None else 0):
+            self._restart_eager_trajectory(fragment)  # θm = θg now; training after close() starts from there
         self.exchange.close()
 
     def fragment_names(self) -> list[list[str]]:
