@@ -169,6 +169,8 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         "train_curve": curve,
         "seconds": time.perf_counter() - started,
         "num_parameters": sum(p.numel() for p in model.parameters()),
+        # An adaptive policy's per-sync choices (step, fragment, rank, codec, why): what its bytes and loss came from.
+        "policy_choices": [] if engine is None else list(engine.exchange.choices),
     }
 
 
