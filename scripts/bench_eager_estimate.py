@@ -4,11 +4,11 @@
 
 Eager (Kale et al.) feeds each worker's own outer optimizer Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M (its own
 contribution fresh, the others' one round stale) where blocking DiLoCo would use the true avg^r, which arrives one
-round later. This script trains `eager_fp4` with bench_comm.py's model,
-data and optimizer (`--long`: bench_quality.py's longer-run model) and records, for every round whose true average
-arrives, the relative error ||Δ~ - avg|| / ||avg|| of the estimate and the cosine between consecutive averages
-avg^{r-1}, avg^r (the stale part of the estimate is only as good as consecutive rounds are alike). The instrumentation
-wraps two engine methods in the worker processes; it does not change what the engine computes.
+round later. This script trains `eager_fp4` with bench_comm.py's model, data and optimizer (`--long`:
+bench_quality.py's longer-run model) and records, for every round whose true average arrives, the relative error
+||Δ~ - avg|| / ||avg|| of the estimate and the cosine between consecutive averages avg^{r-1}, avg^r (the stale part
+of the estimate is only as good as consecutive rounds are alike). The instrumentation wraps two engine methods in the
+worker processes; it does not change what the engine computes.
 """
 
 from __future__ import annotations

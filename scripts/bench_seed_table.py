@@ -3,9 +3,10 @@
     python scripts/bench_seed_table.py benchmarks/quality_long.json benchmarks/sweeps/long_seed*.json \
         --versus eager_fp4=diloco_fp4 adaptive_fp4=eager_fp4
 
-Each JSON is one run (one `--seed`, read from its command line); runs of the same seed are merged. A method is compared with the DDP run of the same
-file and the same number of workers (`ddp@1`, plain AdamW, for single-worker methods; the multi-worker DDP run for the
-others), or with the method named by `--versus name=reference` (method names without overrides, e.g. `eager_fp4`).
+Each JSON is one run (one `--seed`, read from its command line); runs of the same seed are merged. A method is
+compared with the DDP run of the same seed and the same number of workers (`ddp@1`, plain AdamW, for single-worker
+methods; the multi-worker DDP run for the others), or with the method named by `--versus name=reference` (method names
+without overrides, e.g. `eager_fp4`).
 The gap is `loss / reference - 1`; a method is reported only for the seeds where it and its reference both ran.
 """
 

@@ -161,8 +161,9 @@ class DiLoCo:
         for fragment in tails:
             # delayed/eager: the tail is measured from where the round started, before the drain reset θm.
             self._sync_tail(fragment, early[fragment] if fragment in early else self._pseudo_gradient(fragment))
-        for fragment in range(self.config.num_fragments if self._anchor is not None else 0):
-            self._restart_eager_trajectory(fragment)  # θm = θg now; training after close() starts from there
+        if self._anchor is not None:  # θm = θg now; training after close() starts from there
+            for fragment in range(self.config.num_fragments):
+                self._restart_eager_trajectory(fragment)
         self.exchange.close()
 
     def fragment_names(self) -> list[list[str]]:
@@ -328,13 +329,13 @@ class DiLoCo:
         self, fragment: int, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
     ) -> None:
         """a_m <- OuterOpt_m(a_m, Δ~) and θm <- a_m (the exact rule is in the class docstring)."""
-        if average is None:  # first round, or round r-1 skipped everywhere: restart from the agreed θg
-            self._restart_eager_trajectory(fragment)
         estimate = self._eager_estimate(delta, previous, average)
-        if not bool(torch.isfinite(estimate).all()):
-            # This worker's own Δm is non-finite; its round will be skipped everywhere, so start over from θg.
+        finite = bool(torch.isfinite(estimate).all())
+        # Restart from the agreed θg in the first round, after a round skipped everywhere, and when this worker's own
+        # Δm is non-finite (its round will be skipped everywhere, so it must not enter the trajectory).
+        if average is None or not finite:
             self._restart_eager_trajectory(fragment)
-        else:
+        if finite:
             self._optimizer_step(self._anchor_optimizer, self._anchor, fragment, estimate)
         self._write_local(fragment, self._anchor[fragment])
 
