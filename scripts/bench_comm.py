@@ -32,6 +32,9 @@ METHODS = {
     "diloco": dict(inner_steps=100),
     "streaming_fp32": dict(inner_steps=100, num_fragments=4, sync_delay=1),
     "streaming_fp4": dict(inner_steps=100, num_fragments=4, sync_delay=1, compression="fp4", error_feedback=False),
+    "streaming_fp4_zlib": dict(
+        inner_steps=100, num_fragments=4, sync_delay=1, compression="fp4", error_feedback=False, entropy_coding=True
+    ),
     "streaming_fp4_ef": dict(inner_steps=100, num_fragments=4, sync_delay=1, compression="fp4", error_feedback=True),
     "diloco_h50": dict(inner_steps=50),
     "eager_fp4": dict(inner_steps=100, overlap="eager", compression="fp4"),

@@ -44,6 +44,9 @@ BAD_VALUES = [
     ({"data_parallel_per_worker": 0}, "data_parallel_per_worker"),
     ({"sync_timeout_seconds": 0}, "sync_timeout_seconds"),
     ({"overlap": "eager", "sync_delay": 1, "inner_steps": 10}, "sync_delay"),
+    ({"entropy_coding": "yes"}, "entropy_coding"),
+    ({"error_feedback": 1}, "error_feedback"),
+    ({"outer_nesterov": "false"}, "outer_nesterov"),
 ]
 
 
@@ -51,6 +54,14 @@ BAD_VALUES = [
 def test_bad_values_raise_naming_the_field(kwargs, field_name):
     with pytest.raises(ValueError, match=field_name):
         DiLoCoConfig(**kwargs)
+
+
+def test_fingerprint_of_earlier_settings_is_unchanged_by_later_fields():
+    """Checkpoints written before `entropy_coding` existed carry these fingerprints; they must still load."""
+    assert DiLoCoConfig().fingerprint() == "cc7e5fdcd52c7e36"
+    streaming = DiLoCoConfig(inner_steps=8, num_fragments=4, sync_delay=1, compression="fp4")
+    assert streaming.fingerprint() == "d02001ce26961651"
+    assert DiLoCoConfig(entropy_coding=True).fingerprint() != DiLoCoConfig().fingerprint()  # workers must agree on it
 
 
 def test_yaml_loading_with_section_and_overrides(tmp_path):

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 
 import pytest
 import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
 from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import OuterExchange, OuterSyncError
+from hf_diloco.core.exchange import OuterExchange, OuterSyncError, _deflate, _inflate
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
-from tests.engine_common import INNER_LR, inner_step, tiny_model
+from tests.engine_common import INNER_LR, inner_step, tiny_model, train_engine
 
 CODECS = ["none", "bf16", "fp16", "int8", "fp8", "fp4"]
 # Relative error of one encode, from the codec bounds (tests/test_codecs.py); the average is encoded twice.
@@ -61,6 +62,89 @@ def test_quantized_average_and_bytes_on_the_wire(workers):
     assert results[0]["int8"][1] == 2 * (workers - 1) * (chunk + chunk // 64 * 4)
     assert results[0]["fp4"][1] == 2 * (workers - 1) * (chunk // 2 + chunk // 64 * 4)
     assert results[0]["fp4"][1] / fp32_bytes == pytest.approx(1 / 8 + 1 / 64, rel=1e-9)
+
+
+def _exchange_with_and_without_entropy_coding(rank: int, world: int, numel: int) -> dict:
+    topology = Topology.from_default_group()
+    out = {}
+    for name in CODECS:
+        for entropy_coding in (False, True):
+            codec = make_codec(name, block_size=64, scale_dtype="fp32")
+            exchange = OuterExchange(topology, codec, entropy_coding=entropy_coding)
+            result = exchange.launch(_vector(rank, numel), f"test {name}").wait()
+            out[name, entropy_coding] = (result.average, result.bytes_sent, exchange.wire_bytes(numel))
+            exchange.close()
+    return out
+
+
+def _deflated_size(payload: torch.Tensor) -> int:
+    return min(len(zlib.compress(payload.numpy().tobytes(), 1)), payload.numel())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", [2, 3])
+def test_entropy_coding_is_lossless_and_sends_what_deflate_makes_of_each_payload(workers):
+    numel = 64 * 97 + 5
+    results = run_on_processes(_exchange_with_and_without_entropy_coding, workers, numel)
+    for name in CODECS:
+        for rank, result in enumerate(results):
+            plain, coded = result[name, False], result[name, True]
+            assert torch.equal(plain[0], coded[0]), name  # lossless: the same average, bit for bit
+            assert coded[1] <= coded[2] == plain[2] + 2 * (workers - 1) * 8  # at most raw payloads plus lengths
+            # Independent count: what zlib makes of every encoded chunk this rank sends, and of the averaged chunk.
+            codec = make_codec(name, block_size=64, scale_dtype="fp32")
+            chunk_numel = -(-numel // (workers * codec.align)) * codec.align
+            padded = torch.zeros(chunk_numel * workers)
+            padded[:numel] = _vector(rank, numel)
+            chunks = padded.chunk(workers)
+            sent = sum(_deflated_size(codec.encode(c)) for j, c in enumerate(chunks) if j != rank)
+            averaged_chunk = plain[0].new_zeros(chunk_numel * workers)
+            averaged_chunk[:numel] = plain[0]
+            mine = codec.encode(averaged_chunk.chunk(workers)[rank])
+            expected = sent + (workers - 1) * _deflated_size(mine) + 2 * (workers - 1) * 8
+            assert coded[1] == expected, (name, rank)
+    fp4_plain, fp4_coded = results[0]["fp4", False][1], results[0]["fp4", True][1]
+    assert fp4_coded < fp4_plain, (fp4_coded, fp4_plain)  # fp4 codes are compressible, even with these outliers
+
+
+def test_inflate_refuses_bytes_that_are_not_what_deflate_sent():
+    payload = make_codec("fp4", block_size=64).encode(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+    packed = _deflate(payload)
+    assert packed.numel() < payload.numel()
+    assert torch.equal(_inflate(packed, payload.numel(), worker=1), payload)
+    assert torch.equal(_inflate(payload, payload.numel(), worker=1), payload)  # sent raw
+    longer = torch.frombuffer(bytearray(zlib.compress(bytes(payload.numpy().tobytes()) + b"x", 1)), dtype=torch.uint8)
+    broken = {
+        "garbage": torch.randint(0, 256, (100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)),
+        "truncated stream": packed[:-10],
+        "stream then junk": torch.cat([packed, torch.tensor([1, 2, 3], dtype=torch.uint8)]),
+        "stream of a longer payload": longer,
+        "more bytes than the payload": torch.zeros(payload.numel() + 1, dtype=torch.uint8),
+    }
+    for case, received in broken.items():
+        with pytest.raises(ValueError, match="worker 1 sent .* neither a 2304-byte encoded payload nor its zlib"):
+            _inflate(received, payload.numel(), worker=1)
+            pytest.fail(case)
+
+
+def _train_with_entropy_coding(rank: int, world: int, entropy_coding: bool) -> dict:
+    config = dict(inner_steps=4, num_fragments=2, sync_delay=1, compression="fp4", entropy_coding=entropy_coding)
+    model, _, engine = train_engine(rank, config, steps=10)
+    engine.close()
+    local = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"global": engine.global_parameters(), "local": local, "stats": dict(engine.stats)}
+
+
+@pytest.mark.timeout(180)
+def test_streaming_fp4_with_entropy_coding_trains_bitwise_like_without_and_sends_fewer_bytes():
+    plain = run_on_processes(_train_with_entropy_coding, 2, False)
+    coded = run_on_processes(_train_with_entropy_coding, 2, True)
+    for without, with_coding in zip(plain, coded):
+        for kind in ("global", "local"):
+            for name, value in without[kind].items():
+                assert torch.equal(value, with_coding[kind][name]), (kind, name)
+        assert with_coding["stats"]["outer_steps"] == without["stats"]["outer_steps"] > 0
+        assert with_coding["stats"]["bytes_sent"] < 0.95 * without["stats"]["bytes_sent"]
 
 
 def _clip_case(rank: int, world: int) -> torch.Tensor:

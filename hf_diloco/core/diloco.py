@@ -104,6 +104,7 @@ class DiLoCo:
             config.sync_timeout_seconds,
             keep_residual=config.error_feedback,
             clip_factor=config.robust_clip_factor,
+            entropy_coding=config.entropy_coding,
         )
         self._lowrank = self._make_lowrank()
         self._step_seconds: float | None = None

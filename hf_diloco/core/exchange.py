@@ -7,7 +7,10 @@ With M workers and D data-parallel ranks per worker, the flat vector is padded t
 2. decode what arrived and sum it in fp32 (worker order, so every worker computes the same bits), divide by M,
 3. encode that averaged chunk again and `all_gather` the encoded chunks; every rank decodes all of them.
 
-Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. Then the
+Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. With
+`entropy_coding`, every encoded payload that crosses workers is deflated (zlib level 1) when that makes it shorter,
+and the payload lengths are exchanged first (M int64 per all_to_all); a payload whose length equals the encoded size
+arrived raw. Decoding sees the same bytes either way, so the result is bitwise the same. Then the
 D ranks of a worker all-gather their averaged shards over the fast intra-worker link. All of it runs in one
 background thread per engine, in launch order, so training continues while it is in flight.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -113,6 +117,7 @@ class OuterExchange:
         topology: the rank's groups; only `outer_group` and `data_parallel_sync_group` are used.
         codec: encodes what crosses workers.
         keep_residual: return what the first encode dropped (error feedback needs it).
+        entropy_coding: deflate each encoded payload before it crosses workers, when that is shorter.
         clip_factor: robust aggregation; when > 0, a contribution whose norm exceeds `clip_factor` x the lower median
             of all workers' norms is scaled down to that bound before it is encoded.
         timeout_seconds: how long `PendingExchange.wait` waits before raising `OuterSyncError`.
@@ -127,10 +132,12 @@ class OuterExchange:
         timeout_seconds: float = 1800.0,
         keep_residual: bool = False,
         clip_factor: float = 0.0,
+        entropy_coding: bool = False,
     ):
         self.topology = topology
         self.codec = codec
         self.keep_residual = keep_residual
+        self.entropy_coding = entropy_coding
         self.clip_factor = clip_factor
         self.timeout_seconds = timeout_seconds
         self.delay_seconds: Callable[[], float] | None = None
@@ -172,12 +179,16 @@ class OuterExchange:
             self._worker = None
 
     def wire_bytes(self, numel: int, codec: Codec | None = None) -> int:
-        """Cross-worker bytes one rank sends to average a vector of `numel` elements (the formula `_ExchangeJob` counts)."""
+        """Cross-worker bytes one rank sends to average a vector of `numel` elements (the formula `_ExchangeJob` counts).
+
+        With `entropy_coding` this is the most it sends: every payload raw, plus the lengths.
+        """
         codec = codec or self.codec
         chunk_numel = _padded_length(numel, self._granularity(codec)) // (
             self.topology.data_parallel_size * self._workers()
         )
-        return 2 * (self._workers() - 1) * codec.encoded_nbytes(chunk_numel)
+        lengths = _LENGTH_BYTES if self.entropy_coding else 0
+        return 2 * (self._workers() - 1) * (codec.encoded_nbytes(chunk_numel) + lengths)
 
     def codec_named(self, name: str) -> Codec:
         if name == self.codec.name:
@@ -316,24 +327,48 @@ class _ExchangeJob:
     def _average_across_workers(
         self, shard: torch.Tensor, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        group, workers = self.exchange.topology.outer_group, self.exchange.topology.num_workers
+        workers = self.exchange.topology.num_workers
         chunks = shard.chunk(workers)
         chunk_numel = chunks[0].numel()
         encoded = [codec.encode(chunk) for chunk in chunks]
         residual = None
         if self.exchange.keep_residual:
             residual = torch.cat([chunk - codec.decode(enc, chunk_numel) for chunk, enc in zip(chunks, encoded)])
-        send = torch.cat(encoded)
-        received = torch.empty_like(send)
-        dist.all_to_all_single(received, send, group=group)
+        received, sent = self._all_to_all(encoded, codec.encoded_nbytes(chunk_numel))
         total = torch.zeros(chunk_numel, dtype=torch.float32)
-        for payload in received.chunk(workers):
+        for payload in received:
             total += codec.decode(payload, chunk_numel)
-        mine = codec.encode(total / workers)
-        gathered = [torch.empty_like(mine) for _ in range(workers)]
-        dist.all_gather(gathered, mine, group=group)
+        # The all_gather of the averaged chunks, as an all_to_all that sends the same payload to every worker.
+        gathered, sent_back = self._all_to_all(
+            [codec.encode(total / workers)] * workers, codec.encoded_nbytes(chunk_numel)
+        )
         averaged = torch.cat([codec.decode(payload, chunk_numel) for payload in gathered])
-        return averaged, residual, 2 * (workers - 1) * mine.numel()
+        return averaged, residual, sent + sent_back
+
+    def _all_to_all(self, payloads: list[torch.Tensor], nbytes: int) -> tuple[list[torch.Tensor], int]:
+        """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""
+        topo = self.exchange.topology
+        me = dist.get_rank(group=topo.outer_group)
+        if self.exchange.entropy_coding:
+            outgoing = {id(p): p for j, p in enumerate(payloads) if j != me}
+            deflated = {key: _deflate(p) for key, p in outgoing.items()}  # a payload sent to everyone is packed once
+            payloads = [p if j == me else deflated[id(p)] for j, p in enumerate(payloads)]
+        sizes = [p.numel() for p in payloads]
+        arriving, sent = list(sizes), 0
+        if self.exchange.entropy_coding:
+            lengths = torch.tensor(sizes, dtype=torch.int64)
+            incoming = torch.empty_like(lengths)
+            dist.all_to_all_single(incoming, lengths, group=topo.outer_group)
+            arriving, sent = incoming.tolist(), (topo.num_workers - 1) * _LENGTH_BYTES
+        received = torch.empty(sum(arriving), dtype=torch.uint8)
+        dist.all_to_all_single(
+            received, torch.cat(payloads), output_split_sizes=arriving, input_split_sizes=sizes, group=topo.outer_group
+        )
+        sent += sum(size for j, size in enumerate(sizes) if j != me)
+        parts = received.split(arriving)
+        if self.exchange.entropy_coding:
+            parts = [_inflate(part, nbytes, worker) for worker, part in enumerate(parts)]
+        return list(parts), sent
 
     def _gather_inside_worker(self, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
         topo = self.exchange.topology
@@ -342,6 +377,35 @@ class _ExchangeJob:
         parts = [torch.empty_like(shard) for _ in range(topo.data_parallel_size)]
         dist.all_gather(parts, shard, group=topo.data_parallel_sync_group)
         return torch.cat(parts), (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
+
+
+_LENGTH_BYTES = 8  # one int64 payload length per peer and all_to_all, with entropy coding
+
+
+def _deflate(payload: torch.Tensor) -> torch.Tensor:
+    """The payload's zlib stream when that is shorter than the payload, else the payload itself."""
+    packed = zlib.compress(memoryview(payload.contiguous().numpy()), 1)
+    if len(packed) >= payload.numel():
+        return payload
+    return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+
+
+def _inflate(received: torch.Tensor, nbytes: int, worker: int) -> torch.Tensor:
+    """Undo `_deflate`: a payload of exactly `nbytes` arrived raw, a shorter one is the zlib stream of one."""
+    if received.numel() == nbytes:
+        return received
+    if received.numel() < nbytes:
+        inflater = zlib.decompressobj()
+        try:
+            raw = inflater.decompress(memoryview(received.contiguous().numpy()), nbytes)  # never more than nbytes
+        except zlib.error:
+            raw = b""
+        if len(raw) == nbytes and inflater.eof and not inflater.unused_data:
+            return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    raise ValueError(
+        f"worker {worker} sent {received.numel()} bytes that are neither a {nbytes}-byte encoded payload nor its zlib "
+        "stream. Every worker must run the same hf_diloco version with the same compression and entropy_coding."
+    )
 
 
 def _padded_length(numel: int, granularity: int) -> int:
