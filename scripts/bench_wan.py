@@ -8,7 +8,7 @@ training) for the same number of steps, so every method sees the same tokens. Me
 
 - `ddp`: `DistributedDataParallel` over gloo, gradients all-reduced every step.
 - `diloco`: DiLoCo, H inner steps (100), fp32 pseudo-gradients, blocking sync.
-- `streaming`: Streaming DiLoCo, P = 4 fragments, tau = 1, fp4.
+- `streaming`: Streaming DiLoCo, P = 4 fragments, tau = 1, fp4 (deflated too with `--entropy-coding`).
 - `diloco_x`: the package's DiLoCoX-style mode: one-round overlap with eager updates (Kale et al.) and adaptive
   compression (PowerSGD rank <= `--lowrank-rank` and a codec from fp4 up, picked per sync by the package's default
   policy to fit the compute window; error feedback). No pipeline parallelism (one process per worker).
@@ -110,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, help="Sequences per step per worker (default 2).")
     parser.add_argument("--seq-len", type=int, help="Tokens per sequence (default 128).")
     parser.add_argument("--lowrank-rank", type=int, default=32, help="Largest PowerSGD rank of diloco_x.")
+    parser.add_argument(
+        "--entropy-coding",
+        action="store_true",
+        help="Deflate the fp4 payloads of streaming and diloco_x (DiLoCoConfig.entropy_coding).",
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ddp-max-seconds", type=float, help="Wall-clock limit of one DDP timed loop (default 80).")
@@ -148,6 +153,7 @@ def diloco_config(method: str, spec: dict):
     common = {"inner_steps": spec["inner_steps"], "sync_timeout_seconds": spec["run_timeout"]}
     if method == "diloco":
         return DiLoCoConfig(num_fragments=1, sync_delay=0, overlap="streaming", compression="none", **common)
+    common["entropy_coding"] = spec.get("entropy_coding", False)
     if method == "streaming":
         return DiLoCoConfig(
             num_fragments=spec["fragments"], sync_delay=1, overlap="streaming", compression="fp4", **common
@@ -726,6 +732,7 @@ SPEC_KEYS = (
     "inner_steps",
     "fragments",
     "lowrank_rank",
+    "entropy_coding",
     "hidden",
     "layers",
     "batch_size",
