@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -78,7 +79,10 @@ def _exchange_with_and_without_entropy_coding(rank: int, world: int, numel: int)
 
 
 def _deflated_size(payload: torch.Tensor) -> int:
-    return min(len(zlib.compress(payload.numpy().tobytes(), 1)), payload.numel())
+    """Bytes of the deflated form: a 4-byte length per MiB piece, then each piece's zlib stream (level 1)."""
+    raw = payload.numpy().tobytes()
+    pieces = [raw[start : start + 2**20] for start in range(0, len(raw), 2**20)]
+    return min(4 * len(pieces) + sum(len(zlib.compress(piece, 1)) for piece in pieces), len(raw))
 
 
 @pytest.mark.timeout(180)
@@ -107,23 +111,45 @@ def test_entropy_coding_is_lossless_and_sends_what_deflate_makes_of_each_payload
     assert fp4_coded < fp4_plain, (fp4_coded, fp4_plain)  # fp4 codes are compressible, even with these outliers
 
 
-def test_inflate_refuses_bytes_that_are_not_what_deflate_sent():
-    payload = make_codec("fp4", block_size=64).encode(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+@pytest.mark.parametrize("numel", [4096, 7 * 2**20 + 384])  # one piece; 4 pieces, the last one partial
+def test_deflate_round_trip_and_inflate_refuses_bytes_that_are_not_what_deflate_sent(numel):
+    codec = make_codec("fp4", block_size=128)
+    payload = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)))
+    nbytes = payload.numel()
     packed = _deflate(payload)
-    assert packed.numel() < payload.numel()
-    assert torch.equal(_inflate(packed, payload.numel(), worker=1), payload)
-    assert torch.equal(_inflate(payload, payload.numel(), worker=1), payload)  # sent raw
-    longer = torch.frombuffer(bytearray(zlib.compress(bytes(payload.numpy().tobytes()) + b"x", 1)), dtype=torch.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        assert torch.equal(_deflate(payload, pool), packed)  # threads change nothing in the bytes
+        assert torch.equal(_inflate(packed, nbytes, 1, pool), payload)
+    assert packed.numel() == _deflated_size(payload) < nbytes
+    assert torch.equal(_inflate(packed, nbytes, worker=1), payload)
+    assert torch.equal(_inflate(payload, nbytes, worker=1), payload)  # sent raw
+    sizes = [min(2**20, nbytes - start) for start in range(0, nbytes, 2**20)]
+    header = 4 * len(sizes)
+
+    def framed(streams: list[bytes]) -> torch.Tensor:
+        lengths = b"".join(len(stream).to_bytes(4, "little") for stream in streams)
+        return torch.frombuffer(bytearray(lengths + b"".join(streams)), dtype=torch.uint8)
+
+    first_length = int.from_bytes(bytes(packed[:4].tolist()), "little")
     broken = {
         "garbage": torch.randint(0, 256, (100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)),
-        "truncated stream": packed[:-10],
-        "stream then junk": torch.cat([packed, torch.tensor([1, 2, 3], dtype=torch.uint8)]),
-        "stream of a longer payload": longer,
-        "more bytes than the payload": torch.zeros(payload.numel() + 1, dtype=torch.uint8),
+        "truncated": packed[:-10],
+        "junk after the streams": torch.cat([packed, torch.tensor([1, 2, 3], dtype=torch.uint8)]),
+        "a stream's bytes flipped": torch.cat(
+            [packed[: header + 20], 255 - packed[header + 20 : header + 40], packed[header + 40 :]]
+        ),
+        "lengths that do not add up": torch.cat(
+            [torch.tensor(list((first_length + 1).to_bytes(4, "little")), dtype=torch.uint8), packed[4:]]
+        ),
+        "streams of more than their piece": framed([zlib.compress(bytes(size + 10), 1) for size in sizes]),
+        "streams of less than their piece": framed([zlib.compress(bytes(size - 10), 1) for size in sizes]),
+        "more bytes than the payload": torch.zeros(nbytes + 1, dtype=torch.uint8),
     }
     for case, received in broken.items():
-        with pytest.raises(ValueError, match="worker 1 sent .* neither a 2304-byte encoded payload nor its zlib"):
-            _inflate(received, payload.numel(), worker=1)
+        with pytest.raises(
+            ValueError, match=f"worker 1 sent .* neither a {nbytes}-byte encoded payload nor its deflated"
+        ):
+            _inflate(received, nbytes, worker=1)
             pytest.fail(case)
 
 

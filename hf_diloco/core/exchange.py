@@ -8,9 +8,9 @@ With M workers and D data-parallel ranks per worker, the flat vector is padded t
 3. encode that averaged chunk again and `all_gather` the encoded chunks; every rank decodes all of them.
 
 Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. With
-`entropy_coding`, every encoded payload that crosses workers is deflated (zlib level 1) when that makes it shorter,
-and the payload lengths are exchanged first (M int64 per all_to_all); a payload whose length equals the encoded size
-arrived raw. Decoding sees the same bytes either way, so the result is bitwise the same. Then the
+`entropy_coding`, every encoded payload that crosses workers is deflated (zlib level 1, in 1 MiB pieces that a thread
+pool compresses in parallel, each piece's length in front) when that makes it shorter, and the payload lengths are
+exchanged first (M int64 per all_to_all); a payload whose length equals the encoded size arrived raw. Decoding sees the same bytes either way, so the result is bitwise the same. Then the
 D ranks of a worker all-gather their averaged shards over the fast intra-worker link. All of it runs in one
 background thread per engine, in launch order, so training continues while it is in flight.
 
@@ -22,12 +22,16 @@ worker's first data-parallel rank over the fast link, so every rank of every wor
 
 from __future__ import annotations
 
+import functools
+import itertools
+import os
 import queue
+import struct
 import threading
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +147,7 @@ class OuterExchange:
         self.delay_seconds: Callable[[], float] | None = None
         self.inline_when_blocking = True
         self._worker: _SerialWorker | None = None
+        self._coding_pool: ThreadPoolExecutor | None = None
         # Adaptive compression: the policy, how to build another codec by name, the link throughput (configured, or
         # measured by the previous exchange) and the log of choices.
         self.policy: CompressionPolicy | None = None
@@ -177,6 +182,15 @@ class OuterExchange:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        if self._coding_pool is not None:
+            self._coding_pool.shutdown(wait=False)
+            self._coding_pool = None
+
+    def coding_pool(self) -> Executor:
+        """Threads that deflate and inflate the pieces of large payloads in parallel (entropy coding)."""
+        if self._coding_pool is None:
+            self._coding_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="diloco-deflate")
+        return self._coding_pool
 
     def wire_bytes(self, numel: int, codec: Codec | None = None) -> int:
         """Cross-worker bytes one rank sends to average a vector of `numel` elements (the formula `_ExchangeJob` counts).
@@ -351,7 +365,8 @@ class _ExchangeJob:
         me = dist.get_rank(group=topo.outer_group)
         if self.exchange.entropy_coding:
             outgoing = {id(p): p for j, p in enumerate(payloads) if j != me}
-            deflated = {key: _deflate(p) for key, p in outgoing.items()}  # a payload sent to everyone is packed once
+            pool = self.exchange.coding_pool()
+            deflated = {key: _deflate(p, pool) for key, p in outgoing.items()}  # a payload sent to all is packed once
             payloads = [p if j == me else deflated[id(p)] for j, p in enumerate(payloads)]
         sizes = [p.numel() for p in payloads]
         arriving, sent = list(sizes), 0
@@ -367,7 +382,7 @@ class _ExchangeJob:
         sent += sum(size for j, size in enumerate(sizes) if j != me)
         parts = received.split(arriving)
         if self.exchange.entropy_coding:
-            parts = [_inflate(part, nbytes, worker) for worker, part in enumerate(parts)]
+            parts = [_inflate(part, nbytes, worker, self.exchange.coding_pool()) for worker, part in enumerate(parts)]
         return list(parts), sent
 
     def _gather_inside_worker(self, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -380,32 +395,54 @@ class _ExchangeJob:
 
 
 _LENGTH_BYTES = 8  # one int64 payload length per peer and all_to_all, with entropy coding
+_PIECE_BYTES = 1 << 20  # deflated independently, so that threads share the work (zlib releases the GIL)
+_deflate_piece = functools.partial(zlib.compress, level=1)
 
 
-def _deflate(payload: torch.Tensor) -> torch.Tensor:
-    """The payload's zlib stream when that is shorter than the payload, else the payload itself."""
-    packed = zlib.compress(memoryview(payload.contiguous().numpy()), 1)
-    if len(packed) >= payload.numel():
+def _deflate(payload: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
+    """The payload's 1 MiB pieces deflated (a little-endian uint32 length per piece, then the zlib streams), when
+    that is shorter than the payload; else the payload itself."""
+    raw = memoryview(payload.contiguous().numpy())
+    pieces = [raw[start : start + _PIECE_BYTES] for start in range(0, len(raw), _PIECE_BYTES)]
+    streams = _map(pool, _deflate_piece, pieces)
+    packed = struct.pack(f"<{len(streams)}I", *map(len, streams)) + b"".join(streams)
+    if len(packed) >= len(raw):
         return payload
     return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
 
 
-def _inflate(received: torch.Tensor, nbytes: int, worker: int) -> torch.Tensor:
-    """Undo `_deflate`: a payload of exactly `nbytes` arrived raw, a shorter one is the zlib stream of one."""
+def _inflate(received: torch.Tensor, nbytes: int, worker: int, pool: Executor | None = None) -> torch.Tensor:
+    """Undo `_deflate`: a payload of exactly `nbytes` arrived raw, a shorter one deflated."""
     if received.numel() == nbytes:
         return received
-    if received.numel() < nbytes:
-        inflater = zlib.decompressobj()
-        try:
-            raw = inflater.decompress(memoryview(received.contiguous().numpy()), nbytes)  # never more than nbytes
-        except zlib.error:
-            raw = b""
-        if len(raw) == nbytes and inflater.eof and not inflater.unused_data:
-            return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    sizes = [min(_PIECE_BYTES, nbytes - start) for start in range(0, nbytes, _PIECE_BYTES)]
+    data = memoryview(received.contiguous().numpy())
+    header = 4 * len(sizes)
+    if header <= len(data) < nbytes:
+        bounds = list(itertools.accumulate(struct.unpack_from(f"<{len(sizes)}I", data), initial=header))
+        if bounds[-1] == len(data):
+            streams = [data[begin:end] for begin, end in zip(bounds, bounds[1:])]
+            pieces = _map(pool, _inflate_piece, streams, sizes)
+            if all(piece is not None for piece in pieces):
+                return torch.frombuffer(bytearray(b"".join(pieces)), dtype=torch.uint8)
     raise ValueError(
-        f"worker {worker} sent {received.numel()} bytes that are neither a {nbytes}-byte encoded payload nor its zlib "
-        "stream. Every worker must run the same hf_diloco version with the same compression and entropy_coding."
+        f"worker {worker} sent {received.numel()} bytes that are neither a {nbytes}-byte encoded payload nor its "
+        "deflated form. Every worker must run the same hf_diloco version with the same compression and entropy_coding."
     )
+
+
+def _map(pool: Executor | None, function: Callable, *iterables) -> list:
+    return list(pool.map(function, *iterables) if pool is not None else map(function, *iterables))
+
+
+def _inflate_piece(stream: memoryview, size: int) -> bytes | None:
+    """The `size` bytes one complete zlib stream holds, or None when it holds anything else."""
+    inflater = zlib.decompressobj()
+    try:
+        raw = inflater.decompress(stream, size)  # never more than size bytes, whatever the stream claims
+    except zlib.error:
+        return None
+    return raw if len(raw) == size and inflater.eof and not inflater.unused_data else None
 
 
 def _padded_length(numel: int, granularity: int) -> int:
