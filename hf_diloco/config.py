@@ -109,7 +109,8 @@ class DiLoCoConfig:
         default=False,
         metadata={
             "help": "Deflate (zlib level 1) each encoded payload before it crosses workers and send it when that is "
-            "shorter. Lossless: the same bits arrive; fp4 pseudo-gradients shrink by 10-20%, at ~30 MB/s of one core."
+            "shorter. Lossless: the same bits arrive. fp4 pseudo-gradients shrink ~15%; deflate runs ~25 MB/s per "
+            "core, in up to 8 threads."
         },
     )
     lowrank_rank: int = field(

@@ -5,14 +5,16 @@ With M workers and D data-parallel ranks per worker, the flat vector is padded t
 
 1. encode the shard's M chunks, `all_to_all` them (chunk j goes to worker j),
 2. decode what arrived and sum it in fp32 (worker order, so every worker computes the same bits), divide by M,
-3. encode that averaged chunk again and `all_gather` the encoded chunks; every rank decodes all of them.
+3. encode that averaged chunk again and all-gather the encoded chunks (an `all_to_all` that sends the same payload
+   to every worker); every rank decodes all of them.
 
 Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. With
-`entropy_coding`, every encoded payload that crosses workers is deflated (zlib level 1, in 1 MiB pieces that a thread
-pool compresses in parallel, each piece's length in front) when that makes it shorter, and the payload lengths are
-exchanged first (M int64 per all_to_all); a payload whose length equals the encoded size arrived raw. Decoding sees the same bytes either way, so the result is bitwise the same. Then the
-D ranks of a worker all-gather their averaged shards over the fast intra-worker link. All of it runs in one
-background thread per engine, in launch order, so training continues while it is in flight.
+`entropy_coding`, every encoded payload that crosses workers is deflated when that makes it shorter (zlib level 1, in
+1 MiB pieces that a thread pool compresses in parallel, each piece's length in front), after an exchange of the
+payload lengths (M int64 per all_to_all); a payload whose length equals the encoded size arrived raw. Decoding sees
+the same bytes either way, so the result is bitwise the same. Then the D ranks of a worker all-gather their averaged
+shards over the fast intra-worker link. All of it runs in one background thread per engine, in launch order, so
+training continues while it is in flight.
 
 With a `LowRankCompressor` (see `lowrank.py`) a launch averages twice, `[P ++ rest]` then `[Q]`, each as above, and
 returns the low-rank approximation. With a `CompressionPolicy` (see `adaptive.py`) the job first broadcasts the
@@ -361,29 +363,28 @@ class _ExchangeJob:
 
     def _all_to_all(self, payloads: list[torch.Tensor], nbytes: int) -> tuple[list[torch.Tensor], int]:
         """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""
-        topo = self.exchange.topology
+        topo, coding = self.exchange.topology, self.exchange.entropy_coding
         me = dist.get_rank(group=topo.outer_group)
-        if self.exchange.entropy_coding:
-            outgoing = {id(p): p for j, p in enumerate(payloads) if j != me}
+        sizes = arriving = [p.numel() for p in payloads]
+        sent = 0
+        if coding:
             pool = self.exchange.coding_pool()
+            outgoing = {id(p): p for j, p in enumerate(payloads) if j != me}
             deflated = {key: _deflate(p, pool) for key, p in outgoing.items()}  # a payload sent to all is packed once
             payloads = [p if j == me else deflated[id(p)] for j, p in enumerate(payloads)]
-        sizes = [p.numel() for p in payloads]
-        arriving, sent = list(sizes), 0
-        if self.exchange.entropy_coding:
-            lengths = torch.tensor(sizes, dtype=torch.int64)
-            incoming = torch.empty_like(lengths)
-            dist.all_to_all_single(incoming, lengths, group=topo.outer_group)
+            sizes = [p.numel() for p in payloads]
+            incoming = torch.empty(len(sizes), dtype=torch.int64)
+            dist.all_to_all_single(incoming, torch.tensor(sizes, dtype=torch.int64), group=topo.outer_group)
             arriving, sent = incoming.tolist(), (topo.num_workers - 1) * _LENGTH_BYTES
         received = torch.empty(sum(arriving), dtype=torch.uint8)
         dist.all_to_all_single(
             received, torch.cat(payloads), output_split_sizes=arriving, input_split_sizes=sizes, group=topo.outer_group
         )
         sent += sum(size for j, size in enumerate(sizes) if j != me)
-        parts = received.split(arriving)
-        if self.exchange.entropy_coding:
+        parts = list(received.split(arriving))
+        if coding:
             parts = [_inflate(part, nbytes, worker, self.exchange.coding_pool()) for worker, part in enumerate(parts)]
-        return list(parts), sent
+        return parts, sent
 
     def _gather_inside_worker(self, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
         topo = self.exchange.topology
