@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
-FRAGMENT_PATTERNS = ("strided", "sequential")
+FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
 OVERLAP_MODES = ("streaming", "delayed", "eager")
 SCALE_DTYPES = ("fp32", "bf16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -37,7 +37,8 @@ class DiLoCoConfig:
 
     Streaming (fragments and overlap):
         num_fragments (`int`): P, fragments of the block stack synced one at a time, every H/P steps.
-        fragment_pattern (`str`): `strided` (block i -> fragment i mod P) or `sequential` (contiguous runs).
+        fragment_pattern (`str`): `strided` (block i -> fragment i mod P), `sequential` (contiguous runs) or
+            `balanced` (each block to the smallest fragment so far: equal sizes despite large embeddings).
         sync_delay (`int`): tau, inner steps between launching a fragment's exchange and applying it.
         merge_alpha (`float`): alpha in `local <- alpha * local + (1 - alpha) * global` when tau > 0.
         overlap (`str`): `streaming` (tau-step overlap), `delayed` (one-round delay) or `eager`.
@@ -79,7 +80,12 @@ class DiLoCoConfig:
     )
     fragment_pattern: str = field(
         default="strided",
-        metadata={"help": "How blocks map to fragments.", "choices": list(FRAGMENT_PATTERNS)},
+        metadata={
+            "help": "How blocks map to fragments: strided (block i -> i mod P), sequential (contiguous runs) or "
+            "balanced (each block to the smallest fragment so far; evens out fragment 0, which also holds the "
+            "embeddings).",
+            "choices": list(FRAGMENT_PATTERNS),
+        },
     )
     sync_delay: int = field(
         default=0, metadata={"help": "tau: inner steps between a fragment's launch and its apply (< H/P)."}

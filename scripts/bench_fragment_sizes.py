@@ -1,10 +1,10 @@
 """Peak per-sync bytes of Streaming DiLoCo on real model shapes: each fragment's share of the model.
 
-    python scripts/bench_fragment_sizes.py --num_fragments 4
+    python scripts/bench_fragment_sizes.py --num_fragments 4 --patterns strided balanced
 
 Builds each model on the meta device (no memory, no download: the shapes are written below from the published
-configs), partitions it exactly as the engine does (`core/fragments.py`: blocks strided over P fragments, every
-parameter outside the block stack in fragment 0) and prints each fragment's share of the parameters. With one codec
+configs), partitions it exactly as the engine does (`core/fragments.py`, every parameter outside the block stack in
+fragment 0) with each `--patterns` and prints each fragment's share of the parameters. With one codec
 for the whole model, a sync's bytes are proportional to its fragment's parameters (per-block scales and padding
 scale with it), so `P x largest share` is the peak per-sync bytes in units of "1/P of the model's".
 """
@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from hf_diloco.config import FRAGMENT_PATTERNS  # noqa: E402
 
 
 def decoder(model_type: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, tied: bool):
@@ -41,6 +43,7 @@ SHAPES = {
     "GPT-2 (124M)": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12),
     "Qwen2-0.5B": decoder("qwen2", 151936, 896, 24, 14, 2, 4864, tied=True),
     "Llama-2-7B": decoder("llama", 32000, 4096, 32, 32, 32, 11008, tied=False),
+    "Llama-3-8B": decoder("llama", 128256, 4096, 32, 32, 8, 14336, tied=False),
     "Llama-3-70B": decoder("llama", 128256, 8192, 80, 64, 8, 28672, tied=False),
 }
 
@@ -56,7 +59,7 @@ def fragment_shares(fields: dict, num_fragments: int, pattern: str = "strided") 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     sizes = {name: p.numel() for name, p in model.named_parameters()}  # tied weights are listed once
-    fragments = partition_fragments(list(sizes), num_fragments, pattern, find_block_stack(model))
+    fragments = partition_fragments(list(sizes), num_fragments, pattern, find_block_stack(model), sizes=sizes)
     total = sum(sizes.values())
     return total, [sum(sizes[name] for name in fragment) / total for fragment in fragments]
 
@@ -64,15 +67,18 @@ def fragment_shares(fields: dict, num_fragments: int, pattern: str = "strided") 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_fragments", type=int, default=4)
-    parser.add_argument("--pattern", choices=["strided", "sequential"], default="strided")
+    parser.add_argument(
+        "--patterns", nargs="+", choices=list(FRAGMENT_PATTERNS), default=["strided"], help="fragment_pattern values"
+    )
     args = parser.parse_args(argv)
     p = args.num_fragments
-    print(f"| model | parameters | share per fragment (P = {p}) | peak sync / (model / P) |")
-    print("|---|---|---|---|")
+    print(f"| model | parameters | pattern | share per fragment (P = {p}) | peak sync / (model / P) |")
+    print("|---|---|---|---|---|")
     for name, fields in SHAPES.items():
-        total, shares = fragment_shares(fields, p, args.pattern)
-        listed = ", ".join(f"{share:.1%}" for share in shares)
-        print(f"| {name} | {total / 1e6:,.2f} M | {listed} | {p * max(shares):.2f}x |")
+        for pattern in args.patterns:
+            total, shares = fragment_shares(fields, p, pattern)
+            listed = ", ".join(f"{share:.1%}" for share in shares)
+            print(f"| {name} | {total / 1e6:,.2f} M | {pattern} | {listed} | {p * max(shares):.2f}x |")
 
 
 if __name__ == "__main__":

@@ -81,12 +81,35 @@ def cpu_trainer_args(output_dir, **overrides) -> dict:
     return values
 
 
-def reference_fragment(name: str, num_fragments: int, pattern: str, layers: int = LAYERS) -> int:
+def reference_fragment(
+    name: str, num_fragments: int, pattern: str, layers: int = LAYERS, sizes: dict[str, int] | None = None
+) -> int:
+    """Fragment of one parameter; `balanced` needs `sizes`, the element count of every parameter of the model."""
     match = re.search(r"layers\.(\d+)\.", name)
     if not match:
         return 0
     block = int(match.group(1))
+    if pattern == "balanced":
+        return _reference_balanced(sizes, num_fragments)[block]
     return block % num_fragments if pattern == "strided" else block * num_fragments // layers
+
+
+def _reference_balanced(sizes: dict[str, int], num_fragments: int) -> list[int]:
+    """Fill the fragments smallest-first, block after block; fragment 0 starts with everything outside the layers."""
+    block_size: dict[int, int] = {}
+    fill = [0] * num_fragments
+    for name, size in sizes.items():
+        match = re.search(r"layers\.(\d+)\.", name)
+        if match:
+            block_size[int(match.group(1))] = block_size.get(int(match.group(1)), 0) + size
+        else:
+            fill[0] += size
+    owner = []
+    for block in range(len(block_size)):
+        smallest = fill.index(min(fill))  # the first of equals
+        owner.append(smallest)
+        fill[smallest] += block_size[block]
+    return owner
 
 
 def reference_run(
@@ -106,7 +129,8 @@ def reference_run(
     optimizers = [torch.optim.AdamW(m.parameters(), lr=INNER_LR) for m in models]
     params = [dict(m.named_parameters()) for m in models]
     names = list(params[0])
-    frag = {n: reference_fragment(n, num_fragments, pattern) for n in names}
+    sizes = {n: p.numel() for n, p in params[0].items()}
+    frag = {n: reference_fragment(n, num_fragments, pattern, sizes=sizes) for n in names}
     glob = {n: params[0][n].detach().clone().float() for n in names}
     buf: dict[str, torch.Tensor] = {}
     in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> (apply step, mean delta)

@@ -104,6 +104,26 @@ def test_fragment_partition_patterns():
     assert partition_fragments(["a", "b", "c", "d"], 2) == [["a", "b"], ["c", "d"]]
 
 
+def test_balanced_pattern_evens_out_fragment_sizes():
+    blocks = [f"model.layers.{i}.w" for i in range(6)]
+    equal = {name: 10 for name in blocks}
+    # Without parameters outside the stack, and equal blocks, balanced is strided.
+    assert partition_fragments(blocks, 3, "balanced", "model.layers", sizes=equal) == partition_fragments(
+        blocks, 3, "strided", "model.layers"
+    )
+    names = ["embed.weight", *blocks, "norm.weight"]
+    sizes = {**equal, "embed.weight": 15, "norm.weight": 1}
+    # Fragment 0 starts at 16: blocks 0-3 go to fragments 1, 2, 1, 2 (ties to the lowest index), making them 20 each;
+    # block 4 to fragment 0 (16), block 5 to fragment 1. Sizes 26, 30, 20 where strided gives 36, 20, 20.
+    assert partition_fragments(names, 3, "balanced", "model.layers", sizes=sizes) == [
+        ["embed.weight", "model.layers.4.w", "norm.weight"],
+        ["model.layers.0.w", "model.layers.2.w", "model.layers.5.w"],
+        ["model.layers.1.w", "model.layers.3.w"],
+    ]
+    with pytest.raises(ValueError, match="balanced"):
+        partition_fragments(names, 3, "balanced", "model.layers")
+
+
 def test_rank_layout():
     layout = RankLayout(world_size=8, pipeline_stages=2, data_parallel=2)
     assert layout.num_workers == 2

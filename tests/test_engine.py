@@ -83,13 +83,20 @@ def test_plain_diloco_matches_reference(workers):
 
 
 # Every value of P, pattern, tau and alpha the issue names, without the full product (CPU budget).
-STREAMING_CASES = [
-    dict(num_fragments=p, fragment_pattern=pattern, sync_delay=tau, merge_alpha=0.5)
-    for p, pattern, tau in itertools.product([2, 4], ["strided", "sequential"], [0, 1, 2])
-] + [
-    dict(num_fragments=p, fragment_pattern=pattern, sync_delay=tau, merge_alpha=alpha)
-    for (p, pattern, tau), alpha in itertools.product([(4, "strided", 2), (2, "sequential", 1)], [0.0, 1.0])
-]
+STREAMING_CASES = (
+    [
+        dict(num_fragments=p, fragment_pattern=pattern, sync_delay=tau, merge_alpha=0.5)
+        for p, pattern, tau in itertools.product([2, 4], ["strided", "sequential"], [0, 1, 2])
+    ]
+    + [
+        dict(num_fragments=p, fragment_pattern=pattern, sync_delay=tau, merge_alpha=alpha)
+        for (p, pattern, tau), alpha in itertools.product([(4, "strided", 2), (2, "sequential", 1)], [0.0, 1.0])
+    ]
+    + [
+        dict(num_fragments=p, fragment_pattern="balanced", sync_delay=tau, merge_alpha=0.5)
+        for p, tau in [(2, 1), (4, 2)]
+    ]
+)
 
 
 @pytest.mark.timeout(900)

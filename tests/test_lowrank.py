@@ -350,6 +350,7 @@ def test_engine_lowrank_and_adaptive_on_two_workers():
             compression="fp4",
             compression_block_size=32,
             adaptive_link_bytes_per_second=1.0,  # a hopeless link: the cheapest setting every time
+            entropy_coding=True,  # deflated P/Q factors: the policy still plans with (and agrees on) raw sizes
         ),
     ]
     results = run_on_processes(_engine_run, 2, cases)

@@ -42,10 +42,11 @@ def _train_sharded(rank: int, world: int, config_kwargs: dict, steps: int) -> di
 
 
 @pytest.mark.timeout(300)
-def test_sharded_outer_sync_equals_unsharded_reference():
+@pytest.mark.parametrize("entropy_coding", [False, True])
+def test_sharded_outer_sync_equals_unsharded_reference(entropy_coding):
     assert BATCH % 2 == 0 and SEQ > 0 and VOCAB > 0
     steps, inner = 9, 4
-    results = run_on_processes(_train_sharded, 4, dict(inner_steps=inner), steps)
+    results = run_on_processes(_train_sharded, 4, dict(inner_steps=inner, entropy_coding=entropy_coding), steps)
     locals_, glob = reference_run(2, steps, inner)
     for result in results:
         for name, value in glob.items():
@@ -60,5 +61,6 @@ def test_sharded_outer_sync_equals_unsharded_reference():
     syncs = steps // inner + 1  # the rounds, plus close()'s sync of the one step after the last round
     for result in results:
         assert result["stats"]["final_syncs"] == 1
-        assert result["stats"]["bytes_sent"] <= syncs * model_bytes // 2 + syncs * 4 * 4
+        lengths = syncs * 2 * 8 if entropy_coding else 0  # the payload lengths exchanged before each all_to_all
+        assert result["stats"]["bytes_sent"] <= syncs * model_bytes // 2 + syncs * 4 * 4 + lengths
         assert result["stats"]["bytes_sent_intra_worker"] >= syncs * model_bytes // 2

@@ -87,7 +87,12 @@ class DiLoCo:
         self._check_topology_matches_config()
         self._params = dict((name, p) for name, p in model.named_parameters() if p.requires_grad)
         self._fragments = partition_fragments(
-            list(self._params), config.num_fragments, config.fragment_pattern, find_block_stack(model), num_blocks
+            list(self._params),
+            config.num_fragments,
+            config.fragment_pattern,
+            find_block_stack(model),
+            num_blocks,
+            sizes={name: p.numel() for name, p in self._params.items()},
         )
         self._check_workers_agree()
         self._broadcast_initial_parameters()
