@@ -205,8 +205,9 @@ def _outer_optimizer(settings: Mapping[str, Any]) -> str:
 
 def _compression(settings: Mapping[str, Any]) -> str:
     codec = settings["compression"]
+    deflated = ["deflated (lossless entropy coding)"] if settings.get("entropy_coding") else []
     if codec == "none":
-        return "none (fp32)"
+        return ", ".join(["none (fp32)", *deflated])
     details = []
     if "compression_block_size" in settings:
         details.append(f"{settings['compression_block_size']} values per scale block")
@@ -214,7 +215,7 @@ def _compression(settings: Mapping[str, Any]) -> str:
         details.append(f"{settings['compression_scale_dtype']} scales")
     if "error_feedback" in settings:
         details.append(f"error feedback {'on' if settings['error_feedback'] else 'off'}")
-    return f"{codec} ({', '.join(details)})" if details else codec
+    return ", ".join([f"{codec} ({', '.join(details)})" if details else codec, *deflated])
 
 
 def _results_table(results: Mapping[str, Any] | None) -> str:

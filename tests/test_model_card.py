@@ -77,6 +77,16 @@ def test_settings_and_data_rendered():
     assert "$" not in card.split("```")[0], "every placeholder must be filled"
 
 
+def test_compression_row_names_codec_scales_and_entropy_coding():
+    label = "Compression of the exchanged pseudo-gradient"
+    fp4 = _settings(compression="fp4", compression_scale_dtype="bf16", entropy_coding=True)
+    assert _table_value(render_model_card(fp4, COMMUNICATION, "d", None, None), label) == (
+        "fp4 (128 values per scale block, bf16 scales, error feedback off), deflated (lossless entropy coding)"
+    )
+    plain = render_model_card(_settings(compression="none"), COMMUNICATION, "d", None, None)
+    assert _table_value(plain, label) == "none (fp32)"
+
+
 def test_communication_against_hand_computed_ddp_bytes():
     card = render_model_card(_settings(num_workers=4), COMMUNICATION, "d", None, {"eval_loss": 3.25})
     # Ring all-reduce of fp32 gradients over M=4: 2 * 3/4 * 10_000 params * 4 bytes, for 100 steps.
