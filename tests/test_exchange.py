@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
+from hf_diloco.core import exchange as exchange_module
 from hf_diloco.core.codecs import make_codec
 from hf_diloco.core.exchange import OuterExchange, OuterSyncError, _deflate, _inflate
 from hf_diloco.core.topology import Topology
@@ -303,6 +304,8 @@ def _mismatched_start(rank: int, world: int, case: str) -> str:
         kwargs["compression"] = "fp4"
     if case == "model" and rank == 1:
         layers = 2
+    if case == "version" and rank == 1:
+        exchange_module.WIRE_FORMAT += 1  # this process stands for a node with another hf_diloco version
     try:
         DiLoCo(tiny_model(layers=layers), None, DiLoCoConfig(**kwargs))
     except ValueError as error:
@@ -311,10 +314,12 @@ def _mismatched_start(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["config", "compression", "model"])
+@pytest.mark.parametrize("case", ["config", "compression", "model", "version"])
 def test_settings_that_differ_between_workers_fail_at_start_on_every_rank(case):
     messages = run_on_processes(_mismatched_start, 2, case)
-    expected = "differ between ranks" if case != "model" else "different model shapes"
+    expected = {"model": "different model shapes", "version": "different outer-exchange wire formats ([2, 3]"}.get(
+        case, "differ between ranks"
+    )
     assert all(expected in message for message in messages), messages
 
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import DiLoCoConfig
+from . import exchange as exchange_module
 from .adaptive import CODEC_BITS, WindowEnergyPolicy, policy_compressions
 from .codecs import make_codec
 from .exchange import ExchangeResult, OuterExchange, PendingExchange
@@ -544,15 +545,22 @@ class DiLoCo:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
         shapes = ";".join(f"{n}:{tuple(self._params[n].shape)}" for names in self._fragments for n in names)
+        config_hash = int(self.config.fingerprint(), 16) & (2**62 - 1)
         mine = torch.tensor(
-            [int(self.config.fingerprint(), 16) & (2**62 - 1), _stable_hash(shapes), self.topology.stage_index],
+            [exchange_module.WIRE_FORMAT, config_hash, _stable_hash(shapes), self.topology.stage_index],
             dtype=torch.int64,
         )
         if dist.get_backend() == "nccl":
             mine = mine.cuda()
         everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
         dist.all_gather(everyone, mine)
-        configs = [int(t[0]) for t in everyone]
+        formats = [int(t[0]) for t in everyone]
+        if len(set(formats)) != 1:
+            raise ValueError(
+                f"Ranks use different outer-exchange wire formats ({formats}, by rank): they run different hf_diloco "
+                "versions. Install the same hf_diloco version on every node."
+            )
+        configs = [int(t[1]) for t in everyone]
         if len(set(configs)) != 1:
             odd = [r for r, c in enumerate(configs) if c != configs[0]]
             raise ValueError(
@@ -560,8 +568,8 @@ class DiLoCo:
                 "same inner_steps, num_fragments, compression, ... Check the config and DILOCO_* variables on each node."
             )
         stage = self.topology.stage_index
-        same_stage = [r for r, t in enumerate(everyone) if int(t[2]) == stage]
-        models = {int(everyone[r][1]) for r in same_stage}
+        same_stage = [r for r, t in enumerate(everyone) if int(t[3]) == stage]
+        models = {int(everyone[r][2]) for r in same_stage}
         if len(models) != 1:
             raise ValueError(
                 f"Ranks {same_stage} hold different model shapes for pipeline stage {stage}; every worker must "

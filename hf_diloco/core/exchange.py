@@ -44,6 +44,10 @@ from .codecs import COMPRESSIONS, Codec
 from .lowrank import LowRankCompressor
 from .topology import Topology
 
+# What crosses workers, and in which collectives. Workers check at start that they agree on it; bump it whenever an
+# exchange changes its collectives or payload layout. 2: the all-gather is an all_to_all, optional entropy coding.
+WIRE_FORMAT = 2
+
 
 @dataclass
 class ExchangeResult:
