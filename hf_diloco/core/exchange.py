@@ -369,10 +369,10 @@ class _ExchangeJob:
         """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""
         topo, coding = self.exchange.topology, self.exchange.entropy_coding
         me = dist.get_rank(group=topo.outer_group)
+        pool = self.exchange.coding_pool() if coding else None
         sizes = arriving = [p.numel() for p in payloads]
         sent = 0
         if coding:
-            pool = self.exchange.coding_pool()
             outgoing = {id(p): p for j, p in enumerate(payloads) if j != me}
             deflated = {key: _deflate(p, pool) for key, p in outgoing.items()}  # a payload sent to all is packed once
             payloads = [p if j == me else deflated[id(p)] for j, p in enumerate(payloads)]
@@ -387,7 +387,7 @@ class _ExchangeJob:
         sent += sum(size for j, size in enumerate(sizes) if j != me)
         parts = list(received.split(arriving))
         if coding:
-            parts = [_inflate(part, nbytes, worker, self.exchange.coding_pool()) for worker, part in enumerate(parts)]
+            parts = [_inflate(part, nbytes, worker, pool) for worker, part in enumerate(parts)]
         return parts, sent
 
     def _gather_inside_worker(self, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
