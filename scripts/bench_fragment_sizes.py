@@ -3,8 +3,9 @@
     python scripts/bench_fragment_sizes.py --num_fragments 4 --patterns strided balanced
 
 Builds each model on the meta device (no memory, no download: the shapes are written below from the published
-configs), partitions it exactly as the engine does (`core/fragments.py`, every parameter outside the block stack in
-fragment 0) with each `--patterns` and prints each fragment's share of the parameters. With one codec
+configs), partitions it exactly as the engine does (`core/fragments.py`: `strided` and `sequential` put every parameter
+outside the block stack in fragment 0, `balanced` cuts those matrices into P row pieces) with each `--patterns` and
+prints each fragment's share of the parameters. With one codec
 for the whole model, a sync's bytes are proportional to its fragment's parameters (per-block scales and padding
 scale with it), so `P x largest share` is the peak per-sync bytes in units of "1/P of the model's".
 """
@@ -12,6 +13,7 @@ scale with it), so `P x largest share` is the peak per-sync bytes in units of "1
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -58,10 +60,10 @@ def fragment_shares(fields: dict, num_fragments: int, pattern: str = "strided") 
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    sizes = {name: p.numel() for name, p in model.named_parameters()}  # tied weights are listed once
-    fragments = partition_fragments(list(sizes), num_fragments, pattern, find_block_stack(model), sizes=sizes)
-    total = sum(sizes.values())
-    return total, [sum(sizes[name] for name in fragment) / total for fragment in fragments]
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied weights are listed once
+    fragments = partition_fragments(shapes, num_fragments, pattern, find_block_stack(model))
+    total = sum(math.prod(shape) for shape in shapes.values())
+    return total, [sum(math.prod(piece.shape(shapes[piece.name])) for piece in pieces) / total for pieces in fragments]
 
 
 def main(argv: list[str] | None = None) -> None:

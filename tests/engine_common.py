@@ -81,35 +81,36 @@ def cpu_trainer_args(output_dir, **overrides) -> dict:
     return values
 
 
-def reference_fragment(
-    name: str, num_fragments: int, pattern: str, layers: int = LAYERS, sizes: dict[str, int] | None = None
-) -> int:
-    """Fragment of one parameter; `balanced` needs `sizes`, the element count of every parameter of the model."""
-    match = re.search(r"layers\.(\d+)\.", name)
-    if not match:
-        return 0
-    block = int(match.group(1))
-    if pattern == "balanced":
-        return _reference_balanced(sizes, num_fragments)[block]
-    return block % num_fragments if pattern == "strided" else block * num_fragments // layers
+Unit = tuple[str, int, int]  # (parameter name, first row, end row): what the reference syncs as one piece
 
 
-def _reference_balanced(sizes: dict[str, int], num_fragments: int) -> list[int]:
-    """Fill the fragments smallest-first, block after block; fragment 0 starts with everything outside the layers."""
-    block_size: dict[int, int] = {}
+def reference_units(shapes: dict[str, tuple], num_fragments: int, pattern: str, layers: int = LAYERS) -> dict:
+    """Unit -> fragment, written from DESIGN.md and the `balanced` rule of the README, independently of hf_diloco."""
+    units: dict[Unit, int] = {}
     fill = [0] * num_fragments
-    for name, size in sizes.items():
+    blocks: dict[int, list[str]] = {}
+    for name, shape in shapes.items():
         match = re.search(r"layers\.(\d+)\.", name)
+        rows = shape[0] if shape else 1
         if match:
-            block_size[int(match.group(1))] = block_size.get(int(match.group(1)), 0) + size
+            blocks.setdefault(int(match.group(1)), []).append(name)
+        elif pattern == "balanced" and len(shape) >= 2 and rows >= num_fragments:
+            for k in range(num_fragments):  # a matrix outside the layers: P row pieces, piece k in fragment k
+                first, end = k * rows // num_fragments, (k + 1) * rows // num_fragments
+                units[(name, first, end)] = k
+                fill[k] += (end - first) * torch.Size(shape[1:]).numel()
         else:
-            fill[0] += size
-    owner = []
-    for block in range(len(block_size)):
-        smallest = fill.index(min(fill))  # the first of equals
-        owner.append(smallest)
-        fill[smallest] += block_size[block]
-    return owner
+            units[(name, 0, rows)] = 0
+            fill[0] += torch.Size(shape).numel()
+    for block in sorted(blocks):
+        if pattern == "balanced":  # to the smallest fragment so far, the first of equals
+            owner = fill.index(min(fill))
+            fill[owner] += sum(torch.Size(shapes[n]).numel() for n in blocks[block])
+        else:
+            owner = block % num_fragments if pattern == "strided" else block * num_fragments // layers
+        for name in blocks[block]:
+            units[(name, 0, shapes[name][0] if shapes[name] else 1)] = owner
+    return units
 
 
 def reference_run(
@@ -128,16 +129,15 @@ def reference_run(
     models = [tiny_model() for _ in range(workers)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=INNER_LR) for m in models]
     params = [dict(m.named_parameters()) for m in models]
-    names = list(params[0])
-    sizes = {n: p.numel() for n, p in params[0].items()}
-    frag = {n: reference_fragment(n, num_fragments, pattern, sizes=sizes) for n in names}
-    glob = {n: params[0][n].detach().clone().float() for n in names}
-    buf: dict[str, torch.Tensor] = {}
-    in_flight: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}  # fragment -> (apply step, mean delta)
-    own_sent: dict[int, list[dict[str, torch.Tensor]]] = {}
+    frag = reference_units({n: tuple(p.shape) for n, p in params[0].items()}, num_fragments, pattern)
+    names = list(frag)  # units, each synced as one tensor
+    glob = {u: rows_of(params[0], u).detach().clone().float() for u in names}
+    buf: dict[Unit, torch.Tensor] = {}
+    in_flight: dict[int, tuple[int, dict[Unit, torch.Tensor]]] = {}  # fragment -> (apply step, mean delta)
+    own_sent: dict[int, list[dict[Unit, torch.Tensor]]] = {}
     anchor = [{n: glob[n].clone() for n in names} for _ in range(workers)]
 
-    eager_buf: list[dict[str, torch.Tensor]] = [{} for _ in range(workers)]  # each worker's own outer momentum
+    eager_buf: list[dict[Unit, torch.Tensor]] = [{} for _ in range(workers)]  # each worker's own outer momentum
 
     def outer_update(values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor], momentum_of=buf) -> None:
         for n, g in mean_delta.items():
@@ -147,16 +147,16 @@ def reference_run(
             step_dir = g + momentum * b if momentum > 0 else g
             values[n] = values[n] - outer_lr * step_dir
 
-    def set_local(worker: int, n: str, value: torch.Tensor) -> None:
+    def set_local(worker: int, n: Unit, value: torch.Tensor) -> None:
         with torch.no_grad():
-            params[worker][n].copy_(value)
+            rows_of(params[worker], n).copy_(value)
 
     def apply_streaming(fragment: int, tau: int) -> None:
         _, mean_delta = in_flight.pop(fragment)
         outer_update(glob, mean_delta)
         for w in range(workers):
             for n in mean_delta:
-                local = params[w][n].detach()
+                local = rows_of(params[w], n).detach()
                 set_local(w, n, glob[n] if tau == 0 else alpha * local + (1 - alpha) * glob[n])
 
     for t in range(1, steps + 1):
@@ -169,7 +169,7 @@ def reference_run(
                 continue
             frag_names = [n for n in names if frag[n] == p]
             base = anchor if overlap == "eager" else [glob] * workers
-            sent = [{n: base[w][n] - params[w][n].detach() for n in frag_names} for w in range(workers)]
+            sent = [{n: base[w][n] - rows_of(params[w], n).detach() for n in frag_names} for w in range(workers)]
             mean = {n: sum(s[n] for s in sent) / workers for n in frag_names}
             if overlap == "streaming":
                 in_flight[p] = (t + sync_delay, mean)
@@ -210,7 +210,10 @@ def reference_run(
         out = {}
         for p in filter(has_tail, range(num_fragments)):
             frag_names = [n for n in names if frag[n] == p]
-            out[p] = {n: sum(base[w][n] - params[w][n].detach() for w in range(workers)) / workers for n in frag_names}
+            out[p] = {
+                n: sum(base[w][n] - rows_of(params[w], n).detach() for w in range(workers)) / workers
+                for n in frag_names
+            }
         return out
 
     tails = {} if overlap == "streaming" else tail_deltas(anchor if overlap == "eager" else [glob] * workers)
@@ -230,4 +233,11 @@ def reference_run(
             glob[n] = glob[n] - d
             for w in range(workers):
                 set_local(w, n, glob[n])
-    return [{n: p.detach().clone() for n, p in ps.items()} for ps in params], glob
+    pieces = {name: [glob[u] for u in sorted(names) if u[0] == name] for name in params[0]}
+    whole = {name: parts[0] if len(parts) == 1 else torch.cat(parts) for name, parts in pieces.items()}
+    return [{n: p.detach().clone() for n, p in ps.items()} for ps in params], whole
+
+
+def rows_of(tensors: dict[str, torch.Tensor], unit: Unit) -> torch.Tensor:
+    tensor = tensors[unit[0]]
+    return tensor if tensor.dim() == 0 else tensor[unit[1] : unit[2]]

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_diloco import DiLoCoConfig
-from hf_diloco.core.fragments import fragments_launched_at, launch_offset, partition_fragments
+from hf_diloco.core.fragments import (
+    Piece,
+    find_block_stack,
+    fragments_launched_at,
+    launch_offset,
+    partition_fragments,
+)
 from hf_diloco.core.topology import RankLayout
 
 
@@ -89,39 +98,77 @@ def test_schedule_launches_one_fragment_every_h_over_p_steps_in_order():
     assert [launch_offset(p, 100, 1) for p in range(1)] == [0]
 
 
+def _names(fragments) -> list[list[str]]:
+    return [[piece.name for piece in pieces] for pieces in fragments]
+
+
 def test_fragment_partition_patterns():
     names = ["embed.weight"] + [f"model.layers.{i}.w" for i in range(6)] + ["norm.weight"]
-    strided = partition_fragments(names, 3, "strided", "model.layers")
-    assert strided == [
+    shapes = {name: (4, 2) for name in names}
+    strided = partition_fragments(shapes, 3, "strided", "model.layers")
+    assert _names(strided) == [
         ["embed.weight", "model.layers.0.w", "model.layers.3.w", "norm.weight"],
         ["model.layers.1.w", "model.layers.4.w"],
         ["model.layers.2.w", "model.layers.5.w"],
     ]
-    sequential = partition_fragments(names, 3, "sequential", "model.layers")
-    assert sequential[1] == ["model.layers.2.w", "model.layers.3.w"]
+    assert all(piece == Piece(piece.name, 0, 4) for pieces in strided for piece in pieces)
+    sequential = partition_fragments(shapes, 3, "sequential", "model.layers")
+    assert _names(sequential)[1] == ["model.layers.2.w", "model.layers.3.w"]
     with pytest.raises(ValueError, match="num_fragments"):
-        partition_fragments(names, 7, "strided", "model.layers")
-    assert partition_fragments(["a", "b", "c", "d"], 2) == [["a", "b"], ["c", "d"]]
+        partition_fragments(shapes, 7, "strided", "model.layers")
+    assert partition_fragments({"a": (), "b": (3,), "c": (2, 2), "d": (1,)}, 2) == [
+        [Piece("a", 0, 1), Piece("b", 0, 3)],
+        [Piece("c", 0, 2), Piece("d", 0, 1)],
+    ]
 
 
-def test_balanced_pattern_evens_out_fragment_sizes():
-    blocks = [f"model.layers.{i}.w" for i in range(6)]
-    equal = {name: 10 for name in blocks}
+def test_balanced_pattern_cuts_the_embeddings_and_evens_out_fragment_sizes():
+    blocks = {f"model.layers.{i}.w": (5, 2) for i in range(6)}
     # Without parameters outside the stack, and equal blocks, balanced is strided.
-    assert partition_fragments(blocks, 3, "balanced", "model.layers", sizes=equal) == partition_fragments(
+    assert partition_fragments(blocks, 3, "balanced", "model.layers") == partition_fragments(
         blocks, 3, "strided", "model.layers"
     )
-    names = ["embed.weight", *blocks, "norm.weight"]
-    sizes = {**equal, "embed.weight": 15, "norm.weight": 1}
-    # Fragment 0 starts at 16: blocks 0-3 go to fragments 1, 2, 1, 2 (ties to the lowest index), making them 20 each;
-    # block 4 to fragment 0 (16), block 5 to fragment 1. Sizes 26, 30, 20 where strided gives 36, 20, 20.
-    assert partition_fragments(names, 3, "balanced", "model.layers", sizes=sizes) == [
-        ["embed.weight", "model.layers.4.w", "norm.weight"],
-        ["model.layers.0.w", "model.layers.2.w", "model.layers.5.w"],
-        ["model.layers.1.w", "model.layers.3.w"],
+    # A 7 x 3 embedding is cut into rows [0, 2), [2, 4), [4, 7): 6, 6 and 9 elements; the 1-D norm (1 element) and
+    # the 2 x 3 matrix with fewer rows than fragments (6) stay whole in fragment 0 (13). Blocks of 10 then go to
+    # fragments 1, 2, 0, 1, 2, 0 (lightest first, ties to the lowest index): 33, 26, 29 where strided gives 48, 20, 20.
+    shapes = {"embed.weight": (7, 3), **blocks, "norm.weight": (1,), "tiny.weight": (2, 3)}
+    fragments = partition_fragments(shapes, 3, "balanced", "model.layers")
+    assert fragments == [
+        [Piece("embed.weight", 0, 2), Piece("model.layers.2.w", 0, 5), Piece("model.layers.5.w", 0, 5)]
+        + [Piece("norm.weight", 0, 1), Piece("tiny.weight", 0, 2)],
+        [Piece("embed.weight", 2, 4), Piece("model.layers.0.w", 0, 5), Piece("model.layers.3.w", 0, 5)],
+        [Piece("embed.weight", 4, 7), Piece("model.layers.1.w", 0, 5), Piece("model.layers.4.w", 0, 5)],
     ]
-    with pytest.raises(ValueError, match="balanced"):
-        partition_fragments(names, 3, "balanced", "model.layers")
+    sizes = [sum(math.prod(piece.shape(shapes[piece.name])) for piece in pieces) for pieces in fragments]
+    assert sizes == [33, 26, 29] and sum(sizes) == sum(math.prod(shape) for shape in shapes.values())
+
+
+def test_balanced_pattern_reaches_one_over_p_on_a_tied_embedding_model():
+    """The bench model of scripts/bench_comm.py: its tied embedding is 38% of it; strided's fragment 0 is 2.1x 1/P."""
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=4096,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            tie_word_embeddings=True,
+        )
+    )
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    total = sum(math.prod(shape) for shape in shapes.values())
+    for pattern, bound in [("strided", 2.2), ("balanced", 1.001)]:
+        fragments = partition_fragments(shapes, 4, pattern, find_block_stack(model))
+        largest = max(sum(math.prod(p.shape(shapes[p.name])) for p in pieces) for pieces in fragments)
+        assert 4 * largest / total <= bound, pattern
+        covered = {}
+        for pieces in fragments:
+            for piece in pieces:
+                covered.setdefault(piece.name, []).append((piece.start, piece.stop))
+        for name, ranges in covered.items():  # every row of every parameter in exactly one piece
+            ranges.sort()
+            assert ranges[0][0] == 0 and ranges[-1][1] == shapes[name][0], name
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
 
 
 def test_rank_layout():

@@ -86,7 +86,7 @@ def _train(scenario: str, out: str, resume: str | None = None, **overrides) -> D
     arch, padded, batch, diloco = SCENARIOS[scenario]
     trainer = DiLoCoTrainer(
         model=_model(arch),
-        args=_args(out, batch, **diloco, **overrides),
+        args=_args(out, batch, **{**diloco, **overrides}),
         train_dataset=_dataset(padded),
         eval_dataset=_dataset(padded, seed=99).select(range(13)),
     )
@@ -122,10 +122,19 @@ def _two_processes(rank: int, world: int, out: str) -> dict:
 def _four_processes(rank: int, world: int, out: str) -> dict:
     trainer = _train("llama_2w", f"{out}/pipeline_2w", pipeline_stages=2)
     results = {"pipeline_2w": _summary(trainer), "stage": trainer.pipeline_runner.stage_index}
-    # Tied head, lossy outer sync (fp4 + delayed overlap): the stages' copies of the tied matrix must stay equal.
+    # Tied head, lossy outer sync (fp4 + delayed overlap), the tied embedding (and the position embedding) cut into
+    # two row pieces synced at different steps: the stages' copies of the tied matrix must stay equal.
     lossy = _train(
-        "gpt2", f"{out}/lossy", pipeline_stages=2, pipeline_schedule="gpipe", compression="fp4", overlap="delayed"
+        "gpt2",
+        f"{out}/lossy",
+        pipeline_stages=2,
+        pipeline_schedule="gpipe",
+        compression="fp4",
+        overlap="delayed",
+        num_fragments=2,
+        fragment_pattern="balanced",
     )
+    results["lossy_pieces"] = lossy.diloco.fragment_pieces()
     lossy.save_model(f"{out}/lossy_saved")
     stage = dict(lossy.pipeline_runner.stage_module.named_parameters())
     results["tied"] = stage["transformer.wte.weight" if rank % 2 == 0 else "lm_head.weight"].detach().clone()
@@ -232,6 +241,11 @@ def test_tied_copies_stay_equal_through_lossy_outer_syncs(runs):
         first, last = four[2 * worker], four[2 * worker + 1]
         assert torch.equal(first["tied"], last["tied"])
         assert not last["tied_in_engine"]
+        wte = [
+            [(p.start, p.stop) for p in pieces if p.name == "transformer.wte.weight"]
+            for pieces in first["lossy_pieces"]
+        ]
+        assert wte == [[(0, VOCAB // 2)], [(VOCAB // 2, VOCAB)]]
     assert torch.equal(four[0]["tied"], four[2]["tied"])
     loaded = AutoModelForCausalLM.from_pretrained(out / "lossy_saved")
     assert torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight)

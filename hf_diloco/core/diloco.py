@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from . import exchange as exchange_module
 from .adaptive import CODEC_BITS, WindowEnergyPolicy, policy_compressions
 from .codecs import make_codec
 from .exchange import ExchangeResult, OuterExchange, PendingExchange
-from .fragments import find_block_stack, fragments_launched_at, launch_offset, partition_fragments
+from .fragments import Piece, find_block_stack, fragments_launched_at, launch_offset, partition_fragments
 from .lowrank import LowRankCompressor
 from .topology import Topology
 
@@ -88,12 +89,11 @@ class DiLoCo:
         self._check_topology_matches_config()
         self._params = dict((name, p) for name, p in model.named_parameters() if p.requires_grad)
         self._fragments = partition_fragments(
-            list(self._params),
+            {name: tuple(p.shape) for name, p in self._params.items()},
             config.num_fragments,
             config.fragment_pattern,
             find_block_stack(model),
             num_blocks,
-            sizes={name: p.numel() for name, p in self._params.items()},
         )
         self._check_workers_agree()
         self._broadcast_initial_parameters()
@@ -174,14 +174,25 @@ class DiLoCo:
         self.exchange.close()
 
     def fragment_names(self) -> list[list[str]]:
-        return [list(names) for names in self._fragments]
+        """Parameter names per fragment (with `balanced`, a matrix cut by rows is named in every fragment)."""
+        return [list(dict.fromkeys(piece.name for piece in pieces)) for pieces in self._fragments]
+
+    def fragment_pieces(self) -> list[list[Piece]]:
+        """Per fragment, the (name, start row, stop row) pieces it syncs, in the order of its flat buffer."""
+        return [list(pieces) for pieces in self._fragments]
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
-        """fp32 θg by parameter name (views of the flat per-fragment buffers)."""
-        out: dict[str, torch.Tensor] = {}
+        """fp32 θg by parameter name (views of the flat per-fragment buffers; a copy for a parameter cut by rows)."""
+        rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for fragment in range(len(self._fragments)):
-            out.update(self._unflatten(fragment, self._global[fragment]))
-        return out
+            for piece, values in self._unflatten(fragment, self._global[fragment]):
+                rows.setdefault(piece.name, []).append((piece.start, values))
+        return {
+            name: parts[0][1]
+            if len(parts) == 1
+            else torch.cat([values for _, values in sorted(parts, key=lambda part: part[0])])
+            for name, parts in rows.items()
+        }
 
     @contextlib.contextmanager
     def global_weights(self) -> Iterator[nn.Module]:
@@ -437,20 +448,20 @@ class DiLoCo:
             self.exchange.assumed_link_bytes_per_second = config.adaptive_link_bytes_per_second or None
         return [
             LowRankCompressor(
-                [self._params[name].shape for name in names],
+                [piece.shape(self._params[piece.name].shape) for piece in pieces],
                 config.lowrank_rank,
                 seed=fragment,
                 track_energy=adaptive,
                 compression=config.compression,
             )
-            for fragment, names in enumerate(self._fragments)
+            for fragment, pieces in enumerate(self._fragments)
         ]
 
     def _reset_nonfinite_inner_state(self, fragment: int) -> None:
         """A worker that produced NaN/inf would keep doing so from poisoned Adam moments: drop only those states."""
         if self.inner_optimizer is None:
             return
-        for name in self._fragments[fragment]:
+        for name in dict.fromkeys(piece.name for piece in self._fragments[fragment]):
             state = self.inner_optimizer.state.get(self._params[name])
             if state and any(torch.is_tensor(v) and not bool(torch.isfinite(v).all()) for v in state.values()):
                 self.inner_optimizer.state[self._params[name]] = {}
@@ -496,23 +507,29 @@ class DiLoCo:
     # ----------------------------------------------------------------------------------------------- parameters
 
     def _flatten_local(self, fragment: int) -> torch.Tensor:
-        params = [self._params[name] for name in self._fragments[fragment]]
-        if not params:
+        pieces = [self._local_piece(piece) for piece in self._fragments[fragment]]
+        if not pieces:
             return torch.zeros(0, dtype=torch.float32, device=self._device_or_cpu())
-        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in params])
+        return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in pieces])
 
     def _write_local(self, fragment: int, values: torch.Tensor) -> None:
         with torch.no_grad():
-            for name, chunk in self._unflatten(fragment, values).items():
-                param = self._params[name]
-                param.copy_(chunk.to(param.device, param.dtype))
+            for piece, chunk in self._unflatten(fragment, values):
+                local = self._local_piece(piece)
+                local.copy_(chunk.to(local.device, local.dtype))
 
-    def _unflatten(self, fragment: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, offset = {}, 0
-        for name in self._fragments[fragment]:
-            param = self._params[name]
-            out[name] = flat[offset : offset + param.numel()].view(param.shape)
-            offset += param.numel()
+    def _local_piece(self, piece: Piece) -> torch.Tensor:
+        """The parameter's rows the piece covers (a view, so writes reach the parameter)."""
+        param = self._params[piece.name]
+        return param if param.dim() == 0 else param[piece.start : piece.stop]
+
+    def _unflatten(self, fragment: int, flat: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
+        out, offset = [], 0
+        for piece in self._fragments[fragment]:
+            shape = piece.shape(self._params[piece.name].shape)
+            size = math.prod(shape)
+            out.append((piece, flat[offset : offset + size].view(shape)))
+            offset += size
         return out
 
     def _device_or_cpu(self) -> torch.device:
@@ -544,7 +561,7 @@ class DiLoCo:
         """Invariant 7: a config or model mismatch between ranks is an error at start, never a hang later."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return
-        shapes = ";".join(f"{n}:{tuple(self._params[n].shape)}" for names in self._fragments for n in names)
+        shapes = ";".join(self._describe(piece) for pieces in self._fragments for piece in pieces)
         config_hash = int(self.config.fingerprint(), 16) & (2**62 - 1)
         mine = torch.tensor(
             [exchange_module.WIRE_FORMAT, config_hash, _stable_hash(shapes), self.topology.stage_index],
@@ -575,6 +592,11 @@ class DiLoCo:
                 f"Ranks {same_stage} hold different model shapes for pipeline stage {stage}; every worker must "
                 "train the same architecture."
             )
+
+    def _describe(self, piece: Piece) -> str:
+        shape = tuple(self._params[piece.name].shape)
+        rows = "" if piece.shape(shape) == shape else f"[{piece.start}:{piece.stop}]"
+        return f"{piece.name}{rows}:{shape}"
 
     def _broadcast_initial_parameters(self) -> None:
         """Start every worker from the same weights: worker 0's, passed along the outer group, then inside the worker."""

@@ -3,18 +3,40 @@
 The repeated block stack (decoder layers) of L blocks is split into P fragments: `strided` puts block i in
 fragment i mod P, `sequential` puts contiguous runs together. Parameters outside the stack (embeddings, final
 norm, head) belong to fragment 0. `balanced` evens out the fragments' sizes, which `strided` leaves unequal when the
-embeddings are large (fragment 0 holds them on top of its blocks): blocks are taken in index order and each goes to
-the fragment with the fewest parameters so far (ties to the lowest index), fragment 0 starting with the parameters
-outside the stack. With no such parameters and equal blocks that is `strided`. A model without a recognisable stack
-is split by its parameter list, in order.
+embeddings are large (fragment 0 holds them on top of its blocks): every matrix outside the stack (embeddings, an
+untied head) with at least P rows is cut by rows into P pieces, rows [k R / P, (k + 1) R / P) in fragment k; the other
+parameters outside the stack stay in fragment 0; then the blocks, in index order, each go to the fragment with the
+fewest elements so far (ties to the lowest index). Without parameters outside the stack and with equal blocks that is
+`strided`. A model without a recognisable stack is split by its parameter list, in order.
+
+A fragment is a list of `Piece`s: a parameter's rows [start, stop) (its first dimension; a 0-d parameter has one
+row). Only `balanced` cuts parameters; every other piece is a whole parameter. The outer update is elementwise, so
+a piece is synced exactly as a whole parameter would be.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from torch import nn
+
+
+class Piece(NamedTuple):
+    """Rows [start, stop) of parameter `name` (the whole parameter when they are all its rows)."""
+
+    name: str
+    start: int
+    stop: int
+
+    def shape(self, full_shape: Sequence[int]) -> tuple[int, ...]:
+        return (self.stop - self.start, *full_shape[1:]) if len(full_shape) else ()
+
+
+def num_rows(shape: Sequence[int]) -> int:
+    return shape[0] if len(shape) else 1
 
 
 def find_block_stack(model: nn.Module) -> str | None:
@@ -40,20 +62,21 @@ def block_index(param_name: str, block_prefix: str) -> int | None:
 
 
 def partition_fragments(
-    names: list[str],
+    shapes: Mapping[str, Sequence[int]],
     num_fragments: int,
     pattern: str = "strided",
     block_prefix: str | None = None,
     num_blocks: int | None = None,
-    sizes: Mapping[str, int] | None = None,
-) -> list[list[str]]:
-    """Assign every parameter name to one of `num_fragments` fragments, keeping the order of `names`.
+) -> list[list[Piece]]:
+    """Assign every parameter (or, with `balanced`, its row pieces) to one of `num_fragments` fragments.
 
-    `num_blocks` is the length of the whole stack; pass it when `names` hold only part of it (a pipeline stage).
-    `sizes` (elements per name) is needed by the `balanced` pattern only.
+    `shapes` maps each parameter name to its shape, in model order; each fragment keeps that order. `num_blocks` is
+    the length of the whole stack; pass it when `shapes` hold only part of it (a pipeline stage).
     """
+    names = list(shapes)
+    whole = {name: Piece(name, 0, num_rows(shape)) for name, shape in shapes.items()}
     if block_prefix is None or all(block_index(n, block_prefix) is None for n in names):
-        return _split_in_order(names, num_fragments)
+        return [[whole[n] for n in part] for part in _split_in_order(names, num_fragments)]
     indices = [block_index(n, block_prefix) for n in names]
     total = num_blocks if num_blocks is not None else max(i for i in indices if i is not None) + 1
     if total < num_fragments:
@@ -61,40 +84,59 @@ def partition_fragments(
             f"num_fragments ({num_fragments}) exceeds the number of blocks in '{block_prefix}' ({total}); "
             f"use num_fragments <= {total}."
         )
-    balanced = _balanced_blocks(names, indices, num_fragments, sizes) if pattern == "balanced" else {}
-    fragments: list[list[str]] = [[] for _ in range(num_fragments)]
+    if pattern == "balanced":
+        return _balanced(shapes, indices, num_fragments)
+    fragments: list[list[Piece]] = [[] for _ in range(num_fragments)]
     for name, index in zip(names, indices):
         if index is None:
             fragment = 0
-        elif pattern == "balanced":
-            fragment = balanced[index]
         elif pattern == "strided":
             fragment = index % num_fragments
         else:
             fragment = index * num_fragments // total
-        fragments[fragment].append(name)
+        fragments[fragment].append(whole[name])
     return fragments
 
 
-def _balanced_blocks(
-    names: list[str], indices: list[int | None], num_fragments: int, sizes: Mapping[str, int] | None
-) -> dict[int, int]:
-    """Block index -> fragment: each block, in index order, to the fragment with the fewest elements so far."""
-    if sizes is None:
-        raise ValueError("fragment_pattern='balanced' needs the parameter sizes.")
+def _balanced(shapes: Mapping[str, Sequence[int]], indices: list[int | None], num_fragments: int) -> list[list[Piece]]:
+    """Matrices outside the stack cut into P row pieces, then each block to the fragment with the fewest elements."""
+    cut = {
+        name: _row_pieces(name, shapes[name], num_fragments) for name, index in zip(shapes, indices) if index is None
+    }
     loads = [0] * num_fragments
     block_sizes: dict[int, int] = {}
-    for name, index in zip(names, indices):
-        if index is None:
-            loads[0] += sizes[name]
+    for name, index in zip(shapes, indices):
+        if index is not None:
+            block_sizes[index] = block_sizes.get(index, 0) + math.prod(shapes[name])
+        elif cut[name] is None:
+            loads[0] += math.prod(shapes[name])
         else:
-            block_sizes[index] = block_sizes.get(index, 0) + sizes[name]
-    assignment = {}
+            for fragment, piece in enumerate(cut[name]):
+                loads[fragment] += math.prod(piece.shape(shapes[name]))
+    owner = {}
     for index in sorted(block_sizes):
         lightest = min(range(num_fragments), key=lambda fragment: (loads[fragment], fragment))
-        assignment[index] = lightest
+        owner[index] = lightest
         loads[lightest] += block_sizes[index]
-    return assignment
+    fragments: list[list[Piece]] = [[] for _ in range(num_fragments)]
+    for name, index in zip(shapes, indices):
+        whole = Piece(name, 0, num_rows(shapes[name]))
+        if index is not None:
+            fragments[owner[index]].append(whole)
+        elif cut[name] is None:
+            fragments[0].append(whole)
+        else:
+            for fragment, piece in enumerate(cut[name]):
+                fragments[fragment].append(piece)
+    return fragments
+
+
+def _row_pieces(name: str, shape: Sequence[int], num_fragments: int) -> list[Piece] | None:
+    """P row ranges of a matrix with at least P rows; None for anything else (kept whole)."""
+    rows = num_rows(shape)
+    if len(shape) < 2 or rows < num_fragments:
+        return None
+    return [Piece(name, k * rows // num_fragments, (k + 1) * rows // num_fragments) for k in range(num_fragments)]
 
 
 def _split_in_order(names: list[str], num_fragments: int) -> list[list[str]]:
