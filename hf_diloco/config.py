@@ -38,7 +38,8 @@ class DiLoCoConfig:
     Streaming (fragments and overlap):
         num_fragments (`int`): P, fragments of the block stack synced one at a time, every H/P steps.
         fragment_pattern (`str`): `strided` (block i -> fragment i mod P), `sequential` (contiguous runs) or
-            `balanced` (each block to the smallest fragment so far: equal sizes despite large embeddings).
+            `balanced` (every fragment 1/P of the model: matrices outside the stack cut into P row pieces, each
+            block to the smallest fragment so far).
         sync_delay (`int`): tau, inner steps between launching a fragment's exchange and applying it.
         merge_alpha (`float`): alpha in `local <- alpha * local + (1 - alpha) * global` when tau > 0.
         overlap (`str`): `streaming` (tau-step overlap), `delayed` (one-round delay) or `eager`.
@@ -82,8 +83,8 @@ class DiLoCoConfig:
         default="strided",
         metadata={
             "help": "How blocks map to fragments: strided (block i -> i mod P), sequential (contiguous runs) or "
-            "balanced (each block to the smallest fragment so far; evens out fragment 0, which also holds the "
-            "embeddings).",
+            "balanced (every fragment 1/P of the model: embeddings and an untied head cut into P row pieces, each "
+            "block to the smallest fragment so far).",
             "choices": list(FRAGMENT_PATTERNS),
         },
     )

@@ -253,9 +253,10 @@ def test_close_syncs_the_tail_so_no_training_is_dropped():
     assert aligned[0]["final_syncs"] == 0 and aligned[0]["close_bytes"] == 0  # nothing trained since the last sync
 
 
-def _resume_mid_round(rank: int, world: int, overlap: str) -> dict:
+def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str) -> dict:
     """Uninterrupted vs save at a mid-round step (an exchange in flight) and load into fresh objects."""
-    config, steps, saved_at = dict(inner_steps=4, num_fragments=2, overlap=overlap), 15, 10
+    config = dict(inner_steps=4, num_fragments=2, overlap=overlap, fragment_pattern=pattern)
+    steps, saved_at = 15, 10
     model, optimizer, engine = train_engine(rank, config, saved_at)
     buffer = io.BytesIO()
     torch.save(engine.state_dict(), buffer)  # as a checkpoint does: the live state keeps changing below
@@ -281,9 +282,12 @@ def _resume_mid_round(rank: int, world: int, overlap: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("overlap", ["delayed", "eager"])
-def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap):
-    """Invariant 5 for the round-long overlaps: the in-flight round and eager's own outer state are in the state."""
-    for result in run_on_processes(_resume_mid_round, 2, overlap):
+@pytest.mark.parametrize("overlap, pattern", [("delayed", "strided"), ("eager", "strided"), ("eager", "balanced")])
+def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap, pattern):
+    """Invariant 5 for the round-long overlaps: the in-flight round and eager's own outer state are in the state.
+
+    With `balanced` the embedding and head are synced as row pieces in both fragments.
+    """
+    for result in run_on_processes(_resume_mid_round, 2, overlap, pattern):
         assert result["in_flight"] == 2
         assert result["equal"]

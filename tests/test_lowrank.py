@@ -16,7 +16,7 @@ from hf_diloco.core.exchange import OuterExchange
 from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
-from tests.engine_common import train_engine
+from tests.engine_common import VOCAB, train_engine
 
 SHAPES = [(12, 10), (10,), (6, 8), (3, 3)]  # (3, 3): rank 2 would not save bytes, so it is sent as it is
 SEED = 7
@@ -325,16 +325,29 @@ def _engine_run(rank: int, world: int, cases: list[dict]) -> list[dict]:
         steps = case.pop("steps")
         model, _, engine = train_engine(rank, case, steps)
         engine.close()
-        shapes = [tuple(p.shape) for p in model.parameters()]
+        shapes = dict((name, tuple(p.shape)) for name, p in model.named_parameters())
         out.append(
             {
                 "global": engine.global_parameters(),
                 "stats": dict(engine.stats),
                 "choices": engine.exchange.choices,
-                "shapes": shapes,
+                "shapes": list(shapes.values()),
+                "fragment_shapes": [[p.shape(shapes[p.name]) for p in pieces] for pieces in engine.fragment_pieces()],
             }
         )
     return out
+
+
+def _rank2_round_bytes(shapes: list[tuple]) -> int:
+    """Bytes one worker sends for one rank-2 fp32 round of these tensors: P and the rest, then Q (2 workers)."""
+    rows = cols = rest = 0
+    for shape in shapes:
+        numel = torch.Size(shape).numel()
+        if len(shape) >= 2 and (shape[0] + numel // shape[0]) * 2 < numel:
+            rows, cols = rows + shape[0], cols + numel // shape[0]
+        else:
+            rest += numel
+    return _wire_bytes(rows * 2 + rest, 2, 4) + _wire_bytes(cols * 2, 2, 4)
 
 
 @pytest.mark.timeout(300)
@@ -352,6 +365,8 @@ def test_engine_lowrank_and_adaptive_on_two_workers():
             adaptive_link_bytes_per_second=1.0,  # a hopeless link: the cheapest setting every time
             entropy_coding=True,  # deflated P/Q factors: the policy still plans with (and agrees on) raw sizes
         ),
+        # Row pieces of the embedding and head are factorised as matrices of their own.
+        dict(inner_steps=2, steps=4, lowrank_rank=2, compression="none", num_fragments=2, fragment_pattern="balanced"),
     ]
     results = run_on_processes(_engine_run, 2, cases)
     for index in range(len(cases)):
@@ -359,16 +374,13 @@ def test_engine_lowrank_and_adaptive_on_two_workers():
         for name, value in first["global"].items():
             assert torch.equal(value, second["global"][name]), name
     plain = results[0][0]
-    rows = cols = rest = 0
-    for shape in plain["shapes"]:
-        numel = torch.Size(shape).numel()
-        if len(shape) >= 2 and (shape[0] + numel // shape[0]) * 2 < numel:
-            rows, cols = rows + shape[0], cols + numel // shape[0]
-        else:
-            rest += numel
-    per_round = _wire_bytes(rows * 2 + rest, 2, 4) + _wire_bytes(cols * 2, 2, 4)
-    assert plain["stats"]["bytes_sent"] == 2 * per_round
+    assert plain["stats"]["bytes_sent"] == 2 * _rank2_round_bytes(plain["shapes"])
     assert plain["stats"]["lowrank_rank"] == 2
+    pieces = results[0][2]
+    assert pieces["fragment_shapes"][0][0] == (VOCAB // 2, 32)  # the first half of the embedding's rows
+    for fragment, shapes in enumerate(pieces["fragment_shapes"]):
+        syncs = pieces["stats"][f"fragment{fragment}_syncs"]
+        assert pieces["stats"][f"fragment{fragment}_bytes_sent"] == syncs * _rank2_round_bytes(shapes) > 0
     adaptive = [r[1] for r in results]
     assert adaptive[0]["choices"] == [
         {**c, "reason": adaptive[0]["choices"][i]["reason"]} for i, c in enumerate(adaptive[1]["choices"])
