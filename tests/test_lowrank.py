@@ -318,6 +318,43 @@ def test_adaptive_choice_of_the_first_rank_is_used_everywhere():
     assert results[0]["sent"] == [expected + 16, expected + 16]
 
 
+class _PlanRecorder(CompressionPolicy):
+    """Always rank 2 at fp32; records the bytes the exchange tells it that setting will send."""
+
+    def __init__(self):
+        self.planned: list[int] = []
+
+    def choose(self, observation: Observation) -> Choice:
+        self.planned.append(observation.bytes_of(2, "none"))
+        return Choice(2, "none", "fixed")
+
+
+def _planned_and_sent(rank: int, world: int, rounds: int) -> dict:
+    exchange = OuterExchange(Topology.from_default_group(), make_codec("none"), entropy_coding=True)
+    exchange.policy = _PlanRecorder()
+    compressor = LowRankCompressor([(64, 32)], rank=2, seed=SEED)
+    sent = []
+    for index in range(rounds):
+        matrix = torch.zeros(64, 32)
+        matrix[index] = torch.randn(32, generator=torch.Generator().manual_seed(10 * rank + index))
+        sent.append(exchange.launch(matrix.reshape(-1), "test", compressor=compressor).wait().bytes_sent)
+    bound = sum(exchange.wire_bytes(n) for n in compressor.vector_lengths(2))
+    exchange.close()
+    return {"planned": exchange.policy.planned, "sent": sent, "bound": bound}
+
+
+@pytest.mark.timeout(180)
+def test_adaptive_plan_counts_what_entropy_coding_saved_last_time():
+    """One non-zero row: P is mostly zeros and deflates well. The first plan is the raw bound, later ones what the
+    previous exchange actually sent (rank 1 sends no decision bytes, so its plan equals its count exactly)."""
+    results = run_on_processes(_planned_and_sent, 2, 3)
+    for result in results:
+        assert result["planned"][0] == result["bound"]
+        assert result["sent"][0] < 0.75 * result["bound"]
+    assert results[1]["planned"][1:] == results[1]["sent"][:-1]
+    assert results[0]["planned"][1:] == [sent - 16 for sent in results[0]["sent"][:-1]]  # the decision broadcast
+
+
 def _engine_run(rank: int, world: int, cases: list[dict]) -> list[dict]:
     out = []
     for case in cases:
@@ -363,7 +400,7 @@ def test_engine_lowrank_and_adaptive_on_two_workers():
             compression="fp4",
             compression_block_size=32,
             adaptive_link_bytes_per_second=1.0,  # a hopeless link: the cheapest setting every time
-            entropy_coding=True,  # deflated P/Q factors: the policy still plans with (and agrees on) raw sizes
+            entropy_coding=True,  # deflated P/Q factors: the decider's plan uses its measured deflate share
         ),
         # Row pieces of the embedding and head are factorised as matrices of their own.
         dict(inner_steps=2, steps=4, lowrank_rank=2, compression="none", num_fragments=2, fragment_pattern="balanced"),

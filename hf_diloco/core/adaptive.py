@@ -32,7 +32,8 @@ class Observation:
         overlap_steps: inner steps of compute that this exchange overlaps (0 when it blocks training).
         captured_energy: entry k-1 is the share of the pseudo-gradient's energy ||M||^2 that the best rank-k part
             of the previous round's approximation captured (k = 1..rank); None when not known yet.
-        bytes_of: `bytes_of(rank, compression)`, the wire bytes this rank would send for one sync at that setting.
+        bytes_of: `bytes_of(rank, compression)`, the wire bytes this rank would send for one sync at that setting
+            (with entropy coding: the raw size times the share deflate left of the last exchange with that codec).
     """
 
     step: int

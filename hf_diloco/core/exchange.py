@@ -160,6 +160,8 @@ class OuterExchange:
         self.codec_factory: Callable[[str], Codec] | None = None
         self.assumed_link_bytes_per_second: float | None = None
         self.link_bytes_per_second: float | None = None
+        # With entropy coding: bytes sent / `wire_bytes` of the last exchange with each codec, by codec name.
+        self.coded_share: dict[str, float] = {}
         self.choices: list[dict] = []
 
     def launch(
@@ -201,7 +203,8 @@ class OuterExchange:
     def wire_bytes(self, numel: int, codec: Codec | None = None) -> int:
         """Cross-worker bytes one rank sends to average a vector of `numel` elements (the formula `_ExchangeJob` counts).
 
-        With `entropy_coding` this is the most it sends: every payload raw, plus the lengths.
+        With `entropy_coding` this is the most it sends: every payload raw, plus the lengths. An adaptive policy plans
+        with it times `coded_share[codec]`, the share deflate left of the last exchange with that codec.
         """
         codec = codec or self.codec
         chunk_numel = _padded_length(numel, self._granularity(codec)) // (
@@ -238,6 +241,7 @@ class _ExchangeJob:
         self.context = context or {}
         self.sent = self.intra = 0
         self.link_seconds = 0.0
+        self.averaged_bound = self.averaged_sent = 0  # cross-worker averaging: `wire_bytes` and what was sent
 
     def __call__(self) -> ExchangeResult:
         ex = self.exchange
@@ -261,6 +265,8 @@ class _ExchangeJob:
 
         result = self.compressor.run(self.vector, average, rank=choice["rank"] if choice else None)
         self.compressor.compression = codec.name
+        if ex.entropy_coding and self.averaged_bound > 0:
+            ex.coded_share[codec.name] = self.averaged_sent / self.averaged_bound
         if self.sent > 0 and self.link_seconds > 0:
             ex.link_bytes_per_second = self.sent / self.link_seconds
         return ExchangeResult(result.average, result.residual, self.sent, self.intra, clipped, choice=choice)
@@ -297,6 +303,8 @@ class _ExchangeJob:
             started = time.perf_counter()
             averaged_shard, residual, sent = self._average_across_workers(my_shard, codec)
             self.link_seconds += time.perf_counter() - started
+            self.averaged_bound += ex.wire_bytes(numel, codec)
+            self.averaged_sent += sent
         full, intra = self._gather_inside_worker(averaged_shard)
         self.sent, self.intra = self.sent + sent, self.intra + intra
         if residual is not None:
@@ -317,8 +325,9 @@ class _ExchangeJob:
             step_seconds=self.context.get("step_seconds"),
             overlap_steps=int(self.context.get("overlap_steps", 0)),
             captured_energy=compressor.captured_energy,
-            bytes_of=lambda rank, name: sum(
-                ex.wire_bytes(n, ex.codec_named(name)) for n in compressor.vector_lengths(rank)
+            bytes_of=lambda rank, name: round(
+                ex.coded_share.get(name, 1.0)
+                * sum(ex.wire_bytes(n, ex.codec_named(name)) for n in compressor.vector_lengths(rank))
             ),
         )
         choice = ex.policy.choose(observation)
