@@ -6,7 +6,9 @@
 Each JSON is one run (one `--seed`, read from its command line); runs of the same seed are merged. A method is
 compared with the DDP run of the same seed and the same number of workers (`ddp@1`, plain AdamW, for single-worker
 methods; the multi-worker DDP run for the others), or with the method named by `--versus name=reference` (method names
-without overrides, e.g. `eager_fp4`).
+without overrides, e.g. `eager_fp4`), or by `--pair METHOD REFERENCE` (full method names, overrides and `@workers`
+included: two settings of one method). A method may appear in several files of one seed only with the same eval loss
+(a deterministic rerun); it is then counted once.
 The gap is `loss / reference - 1`; a method is reported only for the seeds where it and its reference both ran.
 """
 
@@ -30,12 +32,12 @@ def base_name(method: str) -> str:
 
 
 def reference_of(result: dict, results: list[dict], versus: dict[str, str]) -> dict | None:
-    wanted = versus.get(base_name(result["method"]))
+    wanted = versus.get(result["method"], versus.get(base_name(result["method"])))
     for other in results:
         if other is result:
             continue
         if wanted is not None:
-            if base_name(other["method"]) == wanted and other["workers"] == result["workers"]:
+            if wanted in (other["method"], base_name(other["method"])) and other["workers"] == result["workers"]:
                 return other
         elif base_name(other["method"]) == "ddp" and other["workers"] == result["workers"]:
             return other
@@ -73,16 +75,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="JSON files written by bench_comm.py (one per seed).")
     parser.add_argument("--versus", nargs="*", default=[], help="`method=reference` pairs (names without overrides).")
+    parser.add_argument(
+        "--pair", nargs=2, action="append", default=[], metavar=("METHOD", "REFERENCE"), help="full method names"
+    )
     args = parser.parse_args(argv)
-    versus = dict(pair.split("=", 1) for pair in args.versus)
+    versus = dict(pair.split("=", 1) for pair in args.versus) | dict(args.pair)
     runs: dict[int, list[dict]] = {}
     for path in args.runs:
         seed, results = load_run(path)
-        earlier = {r["method"] for r in runs.get(seed, [])}
-        repeated = sorted(earlier & {r["method"] for r in results})
-        if repeated:
-            parser.error(f"{path}: seed {seed} already has {repeated} from another file")
-        runs.setdefault(seed, []).extend(results)
+        earlier = {r["method"]: r["eval_loss"] for r in runs.get(seed, [])}
+        differing = sorted(r["method"] for r in results if earlier.get(r["method"], r["eval_loss"]) != r["eval_loss"])
+        if differing:
+            parser.error(f"{path}: seed {seed} already has {differing} from another file, with another eval loss")
+        runs.setdefault(seed, []).extend(r for r in results if r["method"] not in earlier)
     print("\n".join(gap_table(runs, versus)))
 
 
