@@ -175,7 +175,7 @@ class DiLoCo:
 
     def fragment_names(self) -> list[list[str]]:
         """Parameter names per fragment (with `balanced`, a matrix cut by rows is named in every fragment)."""
-        return [list(dict.fromkeys(piece.name for piece in pieces)) for pieces in self._fragments]
+        return [self._names_in(fragment) for fragment in range(len(self._fragments))]
 
     def fragment_pieces(self) -> list[list[Piece]]:
         """Per fragment, the (name, start row, stop row) pieces it syncs, in the order of its flat buffer."""
@@ -461,7 +461,7 @@ class DiLoCo:
         """A worker that produced NaN/inf would keep doing so from poisoned Adam moments: drop only those states."""
         if self.inner_optimizer is None:
             return
-        for name in dict.fromkeys(piece.name for piece in self._fragments[fragment]):
+        for name in self._names_in(fragment):
             state = self.inner_optimizer.state.get(self._params[name])
             if state and any(torch.is_tensor(v) and not bool(torch.isfinite(v).all()) for v in state.values()):
                 self.inner_optimizer.state[self._params[name]] = {}
@@ -517,6 +517,10 @@ class DiLoCo:
             for piece, chunk in self._unflatten(fragment, values):
                 local = self._local_piece(piece)
                 local.copy_(chunk.to(local.device, local.dtype))
+
+    def _names_in(self, fragment: int) -> list[str]:
+        """Names of the parameters the fragment holds rows of, once each."""
+        return list(dict.fromkeys(piece.name for piece in self._fragments[fragment]))
 
     def _local_piece(self, piece: Piece) -> torch.Tensor:
         """The parameter's rows the piece covers (a view, so writes reach the parameter)."""

@@ -85,7 +85,7 @@ def partition_fragments(
             f"use num_fragments <= {total}."
         )
     if pattern == "balanced":
-        return _balanced(shapes, indices, num_fragments)
+        return _balanced(shapes, indices, num_fragments, whole)
     fragments: list[list[Piece]] = [[] for _ in range(num_fragments)]
     for name, index in zip(names, indices):
         if index is None:
@@ -98,21 +98,21 @@ def partition_fragments(
     return fragments
 
 
-def _balanced(shapes: Mapping[str, Sequence[int]], indices: list[int | None], num_fragments: int) -> list[list[Piece]]:
+def _balanced(
+    shapes: Mapping[str, Sequence[int]], indices: list[int | None], num_fragments: int, whole: Mapping[str, Piece]
+) -> list[list[Piece]]:
     """Matrices outside the stack cut into P row pieces, then each block to the fragment with the fewest elements."""
-    cut = {
-        name: _row_pieces(name, shapes[name], num_fragments) for name, index in zip(shapes, indices) if index is None
-    }
+    placed: dict[str, list[tuple[int, Piece]]] = {}  # (fragment, piece) of every parameter outside the stack
     loads = [0] * num_fragments
     block_sizes: dict[int, int] = {}
     for name, index in zip(shapes, indices):
         if index is not None:
             block_sizes[index] = block_sizes.get(index, 0) + math.prod(shapes[name])
-        elif cut[name] is None:
-            loads[0] += math.prod(shapes[name])
-        else:
-            for fragment, piece in enumerate(cut[name]):
-                loads[fragment] += math.prod(piece.shape(shapes[name]))
+            continue
+        pieces = _row_pieces(name, shapes[name], num_fragments)
+        placed[name] = list(enumerate(pieces)) if pieces else [(0, whole[name])]
+        for fragment, piece in placed[name]:
+            loads[fragment] += math.prod(piece.shape(shapes[name]))
     owner = {}
     for index in sorted(block_sizes):
         lightest = min(range(num_fragments), key=lambda fragment: (loads[fragment], fragment))
@@ -120,14 +120,8 @@ def _balanced(shapes: Mapping[str, Sequence[int]], indices: list[int | None], nu
         loads[lightest] += block_sizes[index]
     fragments: list[list[Piece]] = [[] for _ in range(num_fragments)]
     for name, index in zip(shapes, indices):
-        whole = Piece(name, 0, num_rows(shapes[name]))
-        if index is not None:
-            fragments[owner[index]].append(whole)
-        elif cut[name] is None:
-            fragments[0].append(whole)
-        else:
-            for fragment, piece in enumerate(cut[name]):
-                fragments[fragment].append(piece)
+        for fragment, piece in placed[name] if index is None else [(owner[index], whole[name])]:
+            fragments[fragment].append(piece)
     return fragments
 
 
