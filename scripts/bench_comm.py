@@ -92,10 +92,15 @@ def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:
     return total / count
 
 
+# Keys of a method spec that set the training loop rather than DiLoCoConfig, so DDP can be tuned the same way.
+RUN_OVERRIDES = {"lr": float}
+
+
 def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
     """`name[:key=value,...][@M]` -> (name, DiLoCoConfig fields or None for DDP, workers or None).
 
-    The overrides go on top of the method's entry in `METHODS`, e.g. `diloco_h50:outer_lr=0.5,outer_momentum=0.6@2`.
+    The overrides go on top of the method's entry in `METHODS`, e.g. `diloco_h50:outer_lr=0.5,outer_momentum=0.6@2`;
+    `RUN_OVERRIDES` keys (`lr`, the inner learning rate) are left to `run_overrides`.
     """
     from hf_diloco import DiLoCoConfig
 
@@ -106,6 +111,8 @@ def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
     fields = None if METHODS[name] is None else dict(METHODS[name])
     for item in filter(None, overrides.split(",")):
         key, _, text = item.partition("=")
+        if key in RUN_OVERRIDES:
+            continue
         if fields is None or key not in DiLoCoConfig.__dataclass_fields__:
             raise ValueError(f"{spec!r}: {key!r} is not a DiLoCoConfig field of a DiLoCo method")
         default = DiLoCoConfig.__dataclass_fields__[key].default
@@ -113,6 +120,13 @@ def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
     if fields is not None:
         DiLoCoConfig(**fields)  # validate before any process starts
     return name, fields, int(workers) if workers else None
+
+
+def run_overrides(spec: str) -> dict:
+    """The training-loop settings of a method spec, e.g. `ddp:lr=0.003@2` -> {"lr": 0.003}."""
+    overrides = spec.partition("@")[0].partition(":")[2]
+    items = (item.partition("=") for item in filter(None, overrides.split(",")))
+    return {key: RUN_OVERRIDES[key](text) for key, _, text in items if key in RUN_OVERRIDES}
 
 
 def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
@@ -248,6 +262,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             run_args.workers = workers or args.workers
             if args.token_budget:
                 run_args.steps = steps_for_budget(args, run_args.workers)
+            vars(run_args).update(run_overrides(spec))
             print(f"running {spec} ({run_args.workers} workers, {run_args.steps} steps) ...", flush=True)
             outcome = run_on_processes(
                 worker, run_args.workers, spec.partition("@")[0], run_args, folder, timeout_seconds=3600
