@@ -10,6 +10,8 @@ without overrides, e.g. `eager_fp4`), or by `--pair METHOD REFERENCE` (full meth
 included: two settings of one method). A method may appear in several files of one seed only with the same eval loss
 (a deterministic rerun); it is then counted once.
 The gap is `loss / reference - 1`; a method is reported only for the seeds where it and its reference both ran.
+`--losses` prints the eval losses themselves (per seed and their mean over the seeds a method ran), e.g. for a grid of
+learning rates where every setting is a candidate rather than a comparison.
 """
 
 from __future__ import annotations
@@ -71,6 +73,22 @@ def gap_table(runs: dict[int, list[dict]], versus: dict[str, str]) -> list[str]:
     return lines
 
 
+def loss_table(runs: dict[int, list[dict]]) -> list[str]:
+    seeds = sorted(runs)
+    losses: dict[str, dict[int, float]] = {}
+    for seed in seeds:
+        for result in runs[seed]:
+            losses.setdefault(result["method"], {})[seed] = result["eval_loss"]
+    lines = [
+        "| method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
+        "|---|" + "---|" * len(seeds) + "---|",
+    ]
+    for method, per_seed in losses.items():
+        cells = [f"{per_seed[s]:.4f}" if s in per_seed else "" for s in seeds]
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | **{statistics.fmean(per_seed.values()):.4f}** |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="JSON files written by bench_comm.py (one per seed).")
@@ -78,6 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--pair", nargs=2, action="append", default=[], metavar=("METHOD", "REFERENCE"), help="full method names"
     )
+    parser.add_argument("--losses", action="store_true", help="eval losses per seed instead of gaps")
     args = parser.parse_args(argv)
     versus = dict(pair.split("=", 1) for pair in args.versus) | dict(args.pair)
     runs: dict[int, list[dict]] = {}
@@ -88,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         if differing:
             parser.error(f"{path}: seed {seed} already has {differing} from another file, with another eval loss")
         runs.setdefault(seed, []).extend(r for r in results if r["method"] not in earlier)
-    print("\n".join(gap_table(runs, versus)))
+    print("\n".join(loss_table(runs) if args.losses else gap_table(runs, versus)))
 
 
 if __name__ == "__main__":

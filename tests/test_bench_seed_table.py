@@ -42,3 +42,15 @@ def test_a_method_repeated_with_another_loss_is_refused(tmp_path):
     files = [_run(tmp_path / "a.json", 0, {"ddp@2": 4.0}), _run(tmp_path / "b.json", 0, {"ddp@2": 4.1})]
     with pytest.raises(SystemExit):
         module.main(list(map(str, files)))
+
+
+def test_losses_table_lists_each_setting_per_seed_and_its_mean(tmp_path, capsys):
+    module = _load()
+    files = [
+        _run(tmp_path / "a0.json", 0, {"ddp:lr=0.002@2": 4.0, "ddp:lr=0.003@2": 4.5}),
+        _run(tmp_path / "a1.json", 1, {"ddp:lr=0.002@2": 5.0}),
+    ]
+    module.main([*map(str, files), "--losses"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows[0] == ["| ddp:lr=0.002@2", "4.0000", "5.0000", "**4.5000** |"]
+    assert rows[1] == ["| ddp:lr=0.003@2", "4.5000", "", "**4.5000** |"]
