@@ -207,8 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         default=["ddp", "diloco", "streaming_fp4"],
-        help=f"Methods from {sorted(METHODS)}, each optionally `:key=value,...` (DiLoCoConfig overrides) and `@M` "
-        "(its number of workers, default --workers).",
+        help=f"Methods from {sorted(METHODS)}, each optionally `:key=value,...` (DiLoCoConfig overrides, and `lr` for "
+        "this method's inner learning rate instead of --lr) and `@M` (its number of workers, default --workers).",
     )
     parser.add_argument(
         "--token_budget",
