@@ -105,12 +105,11 @@ def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
     from hf_diloco import DiLoCoConfig
 
     body, _, workers = spec.partition("@")
-    name, _, overrides = body.partition(":")
+    name = body.partition(":")[0]
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; choose from {sorted(METHODS)}")
     fields = None if METHODS[name] is None else dict(METHODS[name])
-    for item in filter(None, overrides.split(",")):
-        key, _, text = item.partition("=")
+    for key, text in _override_items(spec):
         if key in RUN_OVERRIDES:
             continue
         if fields is None or key not in DiLoCoConfig.__dataclass_fields__:
@@ -124,9 +123,13 @@ def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
 
 def run_overrides(spec: str) -> dict:
     """The training-loop settings of a method spec, e.g. `ddp:lr=0.003@2` -> {"lr": 0.003}."""
+    return {key: RUN_OVERRIDES[key](text) for key, text in _override_items(spec) if key in RUN_OVERRIDES}
+
+
+def _override_items(spec: str) -> list[tuple[str, str]]:
+    """`name:a=1,b=2@M` -> [("a", "1"), ("b", "2")]."""
     overrides = spec.partition("@")[0].partition(":")[2]
-    items = (item.partition("=") for item in filter(None, overrides.split(",")))
-    return {key: RUN_OVERRIDES[key](text) for key, _, text in items if key in RUN_OVERRIDES}
+    return [(key, text) for key, _, text in (item.partition("=") for item in filter(None, overrides.split(",")))]
 
 
 def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
