@@ -57,20 +57,13 @@ def gap_table(runs: dict[int, list[dict]], versus: dict[str, str]) -> list[str]:
                 continue
             gaps.setdefault(result["method"], {})[seed] = result["eval_loss"] / reference["eval_loss"] - 1
             labels[result["method"]] = reference["method"]
-    lines = [
-        "| method | vs | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | std. error |",
-        "|---|---|" + "---|" * len(seeds) + "---|---|",
-    ]
+    rows = []
     for method, per_seed in gaps.items():
         values = list(per_seed.values())
-        cells = [f"{100 * per_seed[s]:+.2f}%" if s in per_seed else "" for s in seeds]
         error = f"{100 * statistics.stdev(values) / len(values) ** 0.5:.2f}%" if len(values) > 1 else "-"
-        lines.append(
-            f"| {method} | {labels[method]} | "
-            + " | ".join(cells)
-            + f" | **{100 * statistics.fmean(values):+.2f}%** | {error} |"
-        )
-    return lines
+        cells = {seed: f"{100 * gap:+.2f}%" for seed, gap in per_seed.items()}
+        rows.append(([method, labels[method]], cells, [f"**{100 * statistics.fmean(values):+.2f}%**", error]))
+    return _markdown(seeds, ["method", "vs"], rows, ["mean", "std. error"])
 
 
 def loss_table(runs: dict[int, list[dict]]) -> list[str]:
@@ -79,13 +72,25 @@ def loss_table(runs: dict[int, list[dict]]) -> list[str]:
     for seed in seeds:
         for result in runs[seed]:
             losses.setdefault(result["method"], {})[seed] = result["eval_loss"]
-    lines = [
-        "| method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
-        "|---|" + "---|" * len(seeds) + "---|",
+    rows = [
+        (
+            [method],
+            {seed: f"{loss:.4f}" for seed, loss in per_seed.items()},
+            [f"**{statistics.fmean(per_seed.values()):.4f}**"],
+        )
+        for method, per_seed in losses.items()
     ]
-    for method, per_seed in losses.items():
-        cells = [f"{per_seed[s]:.4f}" if s in per_seed else "" for s in seeds]
-        lines.append(f"| {method} | " + " | ".join(cells) + f" | **{statistics.fmean(per_seed.values()):.4f}** |")
+    return _markdown(seeds, ["method"], rows, ["mean"])
+
+
+def _markdown(
+    seeds: list[int], lead: list[str], rows: list[tuple[list[str], dict[int, str], list[str]]], tail: list[str]
+) -> list[str]:
+    """A table with the `lead` columns, one column per seed (empty where a row has no cell), then the `tail` ones."""
+    header = [*lead, *(f"seed {s}" for s in seeds), *tail]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for first, cells, last in rows:
+        lines.append("| " + " | ".join([*first, *(cells.get(s, "") for s in seeds), *last]) + " |")
     return lines
 
 
