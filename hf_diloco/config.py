@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4", "sign")
 FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
 OVERLAP_MODES = ("streaming", "delayed", "eager")
 SCALE_DTYPES = ("fp32", "bf16")
@@ -103,7 +103,8 @@ class DiLoCoConfig:
         metadata={"help": "Codec of the exchanged pseudo-gradient.", "choices": list(COMPRESSIONS)},
     )
     compression_block_size: int = field(
-        default=128, metadata={"help": "Elements per absmax scale block of the quantizing codecs."}
+        default=128,
+        metadata={"help": "Elements per scale block of the quantizing codecs (even; a multiple of 8 for sign)."},
     )
     compression_scale_dtype: str = field(
         default="fp32",
@@ -221,6 +222,11 @@ class DiLoCoConfig:
         if self.compression_block_size % 2:
             raise ValueError(
                 f"compression_block_size must be even (fp4 packs two values per byte), got {self.compression_block_size}."
+            )
+        if self.compression == "sign" and self.compression_block_size % 8:
+            raise ValueError(
+                "compression_block_size must be a multiple of 8 with compression 'sign' (eight values per byte), "
+                f"got {self.compression_block_size}."
             )
         if self.inner_steps % self.num_fragments:
             raise ValueError(

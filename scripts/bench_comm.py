@@ -80,6 +80,17 @@ def _ddp_counting_hook(counter: dict, world: int):
     return hook
 
 
+def _all_reduce_gradients(model: torch.nn.Module, world: int) -> int:
+    """Average the gradients over all ranks, as DDP does; returns the bytes a ring all-reduce sends per rank."""
+    sent = 0
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= world
+            sent += 2 * (world - 1) * param.grad.numel() * param.grad.element_size() // world
+    return sent
+
+
 def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:
     model.eval()
     total, count = 0.0, 0
@@ -93,7 +104,7 @@ def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:
 
 
 # Keys of a method spec that set the training loop rather than DiLoCoConfig, so DDP can be tuned the same way.
-RUN_OVERRIDES = {"lr": float}
+RUN_OVERRIDES = {"lr": float, "ddp_steps": int}
 
 
 def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
@@ -146,7 +157,8 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
     if fields is None:
         trained = torch.nn.parallel.DistributedDataParallel(model)
         trained.register_comm_hook(None, _ddp_counting_hook(counter, world))
-    else:
+    ddp_steps = getattr(args, "ddp_steps", 0) if fields is not None else 0
+    if fields is not None and not ddp_steps:
         engine = DiLoCo(model, optimizer, DiLoCoConfig(**fields))
     shard = data["train"][rank::world]
     curve = []
@@ -156,12 +168,16 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         ids = shard[index]
         loss = trained(input_ids=ids, labels=ids).loss
         loss.backward()
+        if step <= ddp_steps:
+            counter["bytes"] += _all_reduce_gradients(model, world)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()
         if engine is not None:
             engine.step()
+        elif step == ddp_steps:
+            engine = DiLoCo(model, optimizer, DiLoCoConfig(**fields))
         if step % args.log_every == 0 or step == args.steps:
             curve.append((step, float(loss.detach())))
     if engine is not None:
@@ -170,7 +186,7 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
             eval_loss = evaluate(model, data["eval"])
         # The final tail syncs of close() happen once per run, not per round: reported apart from the steady state.
         tail_bytes = engine.stats["final_sync_bytes"]
-        sent, peak = engine.stats["bytes_sent"] - tail_bytes, engine.stats["max_sync_bytes"]
+        sent, peak = engine.stats["bytes_sent"] - tail_bytes + counter["bytes"], engine.stats["max_sync_bytes"]
         syncs = engine.stats["outer_steps"] + engine.stats["skipped_nonfinite"]
     else:
         eval_loss = evaluate(model, data["eval"])

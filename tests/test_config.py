@@ -48,6 +48,7 @@ BAD_VALUES = [
     ({"overlap": "async"}, "overlap"),
     ({"compression_block_size": 1}, "compression_block_size"),
     ({"compression_block_size": 33}, "compression_block_size"),
+    ({"compression": "sign", "compression_block_size": 12}, "compression_block_size"),
     ({"compression_scale_dtype": "fp8"}, "compression_scale_dtype"),
     ({"pipeline_stages": 0}, "pipeline_stages"),
     ({"data_parallel_per_worker": 0}, "data_parallel_per_worker"),

@@ -18,9 +18,10 @@ from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_model, train_engine
 
-CODECS = ["none", "bf16", "fp16", "int8", "fp8", "fp4"]
+CODECS = ["none", "bf16", "fp16", "int8", "fp8", "fp4", "sign"]
 # Relative error of one encode, from the codec bounds (tests/test_codecs.py); the average is encoded twice.
-RELATIVE_BOUND = {"none": 0.0, "bf16": 2**-8, "fp16": 2**-10, "int8": 1 / 127, "fp8": 2**-3, "fp4": 0.5}
+# sign sends ±mean|x| of a block: off by at most the block's absmax.
+RELATIVE_BOUND = {"none": 0.0, "bf16": 2**-8, "fp16": 2**-10, "int8": 1 / 127, "fp8": 2**-3, "fp4": 0.5, "sign": 1.0}
 
 
 def _vector(rank: int, numel: int) -> torch.Tensor:
@@ -64,6 +65,7 @@ def test_quantized_average_and_bytes_on_the_wire(workers):
     assert results[0]["int8"][1] == 2 * (workers - 1) * (chunk + chunk // 64 * 4)
     assert results[0]["fp4"][1] == 2 * (workers - 1) * (chunk // 2 + chunk // 64 * 4)
     assert results[0]["fp4"][1] / fp32_bytes == pytest.approx(1 / 8 + 1 / 64, rel=1e-9)
+    assert results[0]["sign"][1] == 2 * (workers - 1) * (chunk // 8 + chunk // 64 * 4)
 
 
 def _exchange_with_and_without_entropy_coding(rank: int, world: int, numel: int) -> dict:

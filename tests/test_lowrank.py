@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from hf_diloco import DiLoCoConfig
-from hf_diloco.core.adaptive import CODEC_BITS, Choice, CompressionPolicy, Observation, WindowEnergyPolicy
+from hf_diloco.core.adaptive import (
+    CODEC_BITS,
+    Choice,
+    CompressionPolicy,
+    Observation,
+    WindowEnergyPolicy,
+    policy_compressions,
+)
 from hf_diloco.core.codecs import make_codec
 from hf_diloco.core.exchange import OuterExchange
 from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
@@ -201,6 +208,15 @@ def test_policy_falls_back_to_fewest_bytes_and_to_the_current_codec():
     assert (blocking.rank, blocking.compression) == (1, "fp4")
     unmeasured = _policy().choose(_observe(link_bytes_per_second=None, rank=8, compression="fp8"))
     assert (unmeasured.rank, unmeasured.compression) == (8, "fp8")
+
+
+def test_policy_with_a_sign_floor_takes_one_bit_only_when_fp4_does_not_fit():
+    policy = WindowEnergyPolicy(16, 16, policy_compressions("sign"), energy_threshold=0.9)
+    assert policy.compressions == ["sign", "fp4", "fp8", "bf16", "none"]
+    fits_fp4 = policy.choose(_observe(link_bytes_per_second=2e4))  # 1 s window: 20 kB; fp4 at rank 16 is 14.6 kB
+    assert (fits_fp4.rank, fits_fp4.compression) == (16, "fp4")
+    one_bit = policy.choose(_observe(link_bytes_per_second=5e3))  # 5 kB: rank-16 signs (3.9 kB) fit, fp4 does not
+    assert (one_bit.rank, one_bit.compression) == (16, "sign")
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 # Bits per value on the wire, and a nominal relative squared error of each codec (absmax-scaled blocks of
 # Gaussian-like values; only their order and rough size matter to the policy).
-CODEC_BITS = {"fp4": 4, "int8": 8, "fp8": 8, "fp16": 16, "bf16": 16, "none": 32}
-CODEC_ERROR = {"fp4": 4e-2, "fp8": 1e-3, "int8": 2e-4, "bf16": 5e-6, "fp16": 1e-7, "none": 0.0}
+CODEC_BITS = {"sign": 1, "fp4": 4, "int8": 8, "fp8": 8, "fp16": 16, "bf16": 16, "none": 32}
+# sign: 1 - 2/pi of a Gaussian's energy is lost when only the signs and the mean magnitude are sent.
+CODEC_ERROR = {"sign": 0.36, "fp4": 4e-2, "fp8": 1e-3, "int8": 2e-4, "bf16": 5e-6, "fp16": 1e-7, "none": 0.0}
 _LADDER = ("fp4", "fp8", "bf16", "none")
 
 

@@ -13,6 +13,7 @@ Wire format (native byte order, little-endian on every platform torch supports):
 | `int8`        | int8 values in [-127, 127], then one scale per block                    | `block_size` |
 | `fp8`         | float8 e4m3fn values in [-448, 448], then one scale per block           | `block_size` |
 | `fp4`         | 4-bit E3M0 codes, two per byte (element 2i low nibble), then the scales | `block_size` |
+| `sign`        | 1-bit signs, eight per byte (element 8i+j in bit j), then the scales    | `block_size` |
 
 Scales are fp32 (4 bytes) or bf16 (2 bytes, `scale_dtype="bf16"`). A decoded element is `q * scale` with `q` the
 dequantized code, computed as one fp32 multiply.
@@ -34,6 +35,11 @@ Design choices:
   Rounding is to the nearest representable value in *linear* space (decision thresholds `0.75 * 2^-k` between
   neighbouring powers of two and `2^-7` between 2^-6 and zero); exact ties go to the larger magnitude. The relative
   error is at most 1/3 for |x| >= absmax * 2^-6 and the absolute error at most absmax * 2^-7 below it.
+- `sign` (1 bit per value): bit 1 means negative, 0 means non-negative; an element decodes to `±scale` with
+  `scale = mean |x|` of its block, the magnitude that minimises the block's squared error for a sign code (absmax
+  would overshoot almost every element). It keeps only the direction of each value, so it is meant for error
+  feedback (`error_feedback: true`), which carries what it drops into the next sync. A block of zeros decodes to
+  ±(the smallest scale), a normal fp32 number, not to zero.
 - Non-finite inputs are not supported: a NaN makes its whole block decode to NaN (so divergence stays visible),
   an inf saturates like a huge outlier.
 """
@@ -47,7 +53,7 @@ import torch
 _FP32_MAX = torch.finfo(torch.float32).max
 _FP32_TINY = 2.0**-126  # smallest normal fp32
 _SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
+COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4", "sign")
 
 
 def _flush_subnormals(values: torch.Tensor) -> torch.Tensor:
@@ -291,15 +297,55 @@ class FP4Codec(BlockCodec):
         return table[codes.long()]
 
 
-_CODECS: dict[str, type[BlockCodec]] = {"fp16": FP16Codec, "int8": Int8Codec, "fp8": FP8Codec, "fp4": FP4Codec}
+class SignCodec(BlockCodec):
+    """1-bit sign with one `mean |x|` scale per block, eight codes per byte (1 = negative; element 8i+j in bit j)."""
+
+    name = "sign"
+    bits = 1
+    qmax = 1.0
+    qmin = 1.0
+    _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+    def __init__(self, block_size: int = 128, scale_dtype: str = "fp32") -> None:
+        if block_size % 8:
+            raise ValueError(
+                f"compression_block_size must be a multiple of 8 for sign (eight values per byte), got {block_size}."
+            )
+        super().__init__(block_size, scale_dtype)
+
+    def block_scales(self, blocks: torch.Tensor) -> torch.Tensor:
+        scales = blocks.abs().mean(dim=1).clamp_(self.min_scale, self.max_scale)
+        if self.scale_dtype == torch.bfloat16:
+            scales = _round_up_to_bf16(scales).clamp_(max=self.max_scale)
+        return scales
+
+    def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
+        negative = (scaled.reshape(-1, 8) < 0).to(torch.uint8)
+        weights = torch.tensor(self._BIT_WEIGHTS, dtype=torch.uint8, device=scaled.device)
+        return (negative * weights).sum(dim=1, dtype=torch.uint8)
+
+    def _dequantize(self, value_bytes: torch.Tensor, numel: int) -> torch.Tensor:
+        weights = torch.tensor(self._BIT_WEIGHTS, dtype=torch.uint8, device=value_bytes.device)
+        negative = (value_bytes[:, None] & weights) != 0
+        return torch.where(negative, -1.0, 1.0).to(torch.float32).view(-1)
+
+
+_CODECS: dict[str, type[BlockCodec]] = {
+    "fp16": FP16Codec,
+    "int8": Int8Codec,
+    "fp8": FP8Codec,
+    "fp4": FP4Codec,
+    "sign": SignCodec,
+}
 
 
 def make_codec(name: str, block_size: int = 128, scale_dtype: str = "fp32") -> Codec:
     """Build the codec for `compression=name`.
 
     Args:
-        name (`str`): one of `none`, `bf16`, `fp16`, `int8`, `fp8`, `fp4`.
-        block_size (`int`): values per absmax scale (`compression_block_size`); must be even for `fp4`.
+        name (`str`): one of `none`, `bf16`, `fp16`, `int8`, `fp8`, `fp4`, `sign`.
+        block_size (`int`): values per scale (`compression_block_size`); must be even for `fp4`, a multiple of 8
+            for `sign`.
         scale_dtype (`str`): `fp32` or `bf16`, the dtype of the stored scales (`compression_scale_dtype`).
 
     Raises:
