@@ -20,6 +20,7 @@ import yaml
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4", "sign")
 FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
 OVERLAP_MODES = ("streaming", "delayed", "eager")
+EXCHANGE_PATTERNS = ("reduce_scatter", "all_gather")
 SCALE_DTYPES = ("fp32", "bf16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
@@ -50,6 +51,8 @@ class DiLoCoConfig:
         compression_scale_dtype (`str`): dtype of the per-block scales.
         error_feedback (`bool`): add what quantization dropped to the next pseudo-gradient.
         entropy_coding (`bool`): deflate the encoded payload before it crosses workers (lossless, fewer bytes).
+        exchange_pattern (`str`): `reduce_scatter` (quantize, average, requantize, all-gather) or `all_gather`
+            (every worker's quantized vector to every worker: one quantization, same bytes for 2 workers).
 
     Low-rank and adaptive compression (DiLoCoX):
         lowrank_rank (`int`): PowerSGD rank of the 2-D pseudo-gradients (0 = off); the largest rank when adaptive.
@@ -119,6 +122,16 @@ class DiLoCoConfig:
             "help": "Deflate (zlib level 1) each encoded payload before it crosses workers and send it when that is "
             "shorter. Lossless: the same bits arrive. fp4 pseudo-gradients shrink ~15%; deflate runs ~25 MB/s per "
             "core, in up to 8 threads."
+        },
+    )
+    exchange_pattern: str = field(
+        default="reduce_scatter",
+        metadata={
+            "help": "How workers average: reduce_scatter (quantized chunks to their owners, averaged, requantized, "
+            "all-gathered: 2(M-1)/M of a payload per rank) or all_gather (every worker's quantized vector to every "
+            "worker, summed in fp32: one quantization instead of two, (M-1) payloads per rank, the same bytes for "
+            "M=2).",
+            "choices": list(EXCHANGE_PATTERNS),
         },
     )
     lowrank_rank: int = field(
@@ -218,6 +231,7 @@ class DiLoCoConfig:
         _check_choice("fragment_pattern", self.fragment_pattern, FRAGMENT_PATTERNS)
         _check_choice("overlap", self.overlap, OVERLAP_MODES)
         _check_choice("compression", self.compression, COMPRESSIONS)
+        _check_choice("exchange_pattern", self.exchange_pattern, EXCHANGE_PATTERNS)
         _check_choice("compression_scale_dtype", self.compression_scale_dtype, SCALE_DTYPES)
         if self.compression_block_size % 2:
             raise ValueError(
@@ -256,7 +270,7 @@ class DiLoCoConfig:
         local_only = {"global_copy_device", "sync_timeout_seconds"}
         # Fields added after checkpoints were first written are hashed only when set away from their default, so an
         # older checkpoint (or worker) with the same settings keeps its fingerprint.
-        added_later = {"entropy_coding": False}
+        added_later = {"entropy_coding": False, "exchange_pattern": "reduce_scatter"}
         shared = {
             k: v
             for k, v in self.diloco_dict().items()

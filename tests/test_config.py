@@ -50,6 +50,7 @@ BAD_VALUES = [
     ({"compression_block_size": 33}, "compression_block_size"),
     ({"compression": "sign", "compression_block_size": 12}, "compression_block_size"),
     ({"compression_scale_dtype": "fp8"}, "compression_scale_dtype"),
+    ({"exchange_pattern": "ring"}, "exchange_pattern"),
     ({"pipeline_stages": 0}, "pipeline_stages"),
     ({"data_parallel_per_worker": 0}, "data_parallel_per_worker"),
     ({"sync_timeout_seconds": 0}, "sync_timeout_seconds"),

@@ -111,6 +111,7 @@ class DiLoCo:
             keep_residual=config.error_feedback,
             clip_factor=config.robust_clip_factor,
             entropy_coding=config.entropy_coding,
+            pattern=config.exchange_pattern,
         )
         self._lowrank = self._make_lowrank()
         self._step_seconds: float | None = None

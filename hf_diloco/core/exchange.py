@@ -8,7 +8,14 @@ With M workers and D data-parallel ranks per worker, the flat vector is padded t
 3. encode that averaged chunk again and all-gather the encoded chunks (an `all_to_all` that sends the same payload
    to every worker); every rank decodes all of them.
 
-Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. With
+Quantized values are therefore never summed in low precision, and every worker ends with the same bytes.
+
+`pattern="all_gather"` replaces steps 1-3 by one all-gather of every worker's encoded shard (an `all_to_all` that
+sends the same payload to every worker); each rank decodes all of them and sums them in fp32 in worker order. The
+average is then quantized once instead of twice (the requantization of step 3 has no error feedback), at
+`(M - 1) x encoded shard` bytes per rank instead of `2 (M - 1) x encoded chunk`: the same bytes for M = 2, M / 2 times
+more beyond. With `sign`, whose requantization loses a third of the energy, that halves its loss cost in
+BENCHMARKS.md section 9. With
 `entropy_coding`, every encoded payload that crosses workers is deflated when that makes it shorter (zlib level 1, in
 1 MiB pieces that a thread pool compresses in parallel, each piece's length in front), after an exchange of the
 payload lengths (M int64 per all_to_all); a payload whose length equals the encoded size arrived raw. Decoding sees
@@ -39,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import EXCHANGE_PATTERNS
 from .adaptive import CompressionPolicy, Observation
 from .codecs import COMPRESSIONS, Codec
 from .lowrank import LowRankCompressor
@@ -127,6 +135,8 @@ class OuterExchange:
         topology: the rank's groups; only `outer_group` and `data_parallel_sync_group` are used.
         codec: encodes what crosses workers.
         keep_residual: return what the first encode dropped (error feedback needs it).
+        pattern: `"reduce_scatter"` (encode chunks, average, re-encode, all-gather) or `"all_gather"` (all-gather
+            every worker's encoded vector, one quantization); see the module docstring.
         entropy_coding: deflate each encoded payload before it crosses workers, when that is shorter.
         clip_factor: robust aggregation; when > 0, a contribution whose norm exceeds `clip_factor` x the lower median
             of all workers' norms is scaled down to that bound before it is encoded.
@@ -143,8 +153,12 @@ class OuterExchange:
         keep_residual: bool = False,
         clip_factor: float = 0.0,
         entropy_coding: bool = False,
+        pattern: str = "reduce_scatter",
     ):
+        if pattern not in EXCHANGE_PATTERNS:
+            raise ValueError(f"exchange_pattern must be one of {', '.join(EXCHANGE_PATTERNS)}; got {pattern!r}.")
         self.topology = topology
+        self.pattern = pattern
         self.codec = codec
         self.keep_residual = keep_residual
         self.entropy_coding = entropy_coding
@@ -211,6 +225,8 @@ class OuterExchange:
             self.topology.data_parallel_size * self._workers()
         )
         lengths = _LENGTH_BYTES if self.entropy_coding else 0
+        if self.pattern == "all_gather":
+            return (self._workers() - 1) * (codec.encoded_nbytes(chunk_numel * self._workers()) + lengths)
         return 2 * (self._workers() - 1) * (codec.encoded_nbytes(chunk_numel) + lengths)
 
     def codec_named(self, name: str) -> Codec:
@@ -357,6 +373,8 @@ class _ExchangeJob:
         self, shard: torch.Tensor, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         workers = self.exchange.topology.num_workers
+        if self.exchange.pattern == "all_gather":
+            return self._gather_contributions(shard, codec)
         chunks = shard.chunk(workers)
         chunk_numel = chunks[0].numel()
         encoded = [codec.encode(chunk) for chunk in chunks]
@@ -373,6 +391,19 @@ class _ExchangeJob:
         )
         averaged = torch.cat([codec.decode(payload, chunk_numel) for payload in gathered])
         return averaged, residual, sent + sent_back
+
+    def _gather_contributions(
+        self, shard: torch.Tensor, codec: Codec
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """`pattern="all_gather"`: every worker's encoded shard to every worker, decoded and summed in worker order."""
+        numel, workers = shard.numel(), self.exchange.topology.num_workers
+        encoded = codec.encode(shard)
+        residual = shard - codec.decode(encoded, numel) if self.exchange.keep_residual else None
+        received, sent = self._all_to_all([encoded] * workers, codec.encoded_nbytes(numel))
+        total = torch.zeros(numel, dtype=torch.float32)
+        for payload in received:
+            total += codec.decode(payload, numel)
+        return total / workers, residual, sent
 
     def _all_to_all(self, payloads: list[torch.Tensor], nbytes: int) -> tuple[list[torch.Tensor], int]:
         """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""
