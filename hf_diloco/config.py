@@ -60,6 +60,7 @@ class DiLoCoConfig:
         adaptive_compression (`bool`): let a policy pick rank and codec each sync (`compression` is the fewest bits).
         adaptive_energy_threshold (`float`): share of the pseudo-gradient's energy the chosen rank should capture.
         adaptive_link_bytes_per_second (`float`): assumed cross-worker throughput (0 = measure it).
+        adaptive_dense (`bool`): the policy may also send a fragment without factorisation.
 
     Topology:
         pipeline_stages (`int`): pipeline stages inside one worker.
@@ -158,6 +159,13 @@ class DiLoCoConfig:
         default=0.0,
         metadata={"help": "Cross-worker throughput the adaptive policy assumes (0 = measure it on each exchange)."},
     )
+    adaptive_dense: bool = field(
+        default=False,
+        metadata={
+            "help": "Let the adaptive policy also send a fragment without low-rank factorisation (rank 0): the most "
+            "accurate choice whenever it fits the window; what small or full-rank matrices need."
+        },
+    )
     pipeline_stages: int = field(default=1, metadata={"help": "Pipeline stages inside one worker."})
     data_parallel_per_worker: int = field(
         default=1, metadata={"help": "Data-parallel replicas inside one worker (e.g. GPUs per node)."}
@@ -197,11 +205,15 @@ class DiLoCoConfig:
         _check_int("lowrank_min_rank", self.lowrank_min_rank, minimum=1)
         _check_float("adaptive_energy_threshold", self.adaptive_energy_threshold, low=0.0, high=1.0, low_open=True)
         _check_float("adaptive_link_bytes_per_second", self.adaptive_link_bytes_per_second, low=0.0)
-        for name in ("outer_nesterov", "error_feedback", "entropy_coding", "adaptive_compression"):
+        for name in ("outer_nesterov", "error_feedback", "entropy_coding", "adaptive_compression", "adaptive_dense"):
             _check_bool(name, getattr(self, name))
         if self.lowrank_rank and self.lowrank_min_rank > self.lowrank_rank:
             raise ValueError(
                 f"lowrank_min_rank ({self.lowrank_min_rank}) must be <= lowrank_rank ({self.lowrank_rank})."
+            )
+        if self.adaptive_dense and not self.adaptive_compression:
+            raise ValueError(
+                "adaptive_dense only applies with adaptive_compression: true (it widens the policy's choices)."
             )
         if self.adaptive_compression and not self.lowrank_rank:
             raise ValueError("adaptive_compression needs lowrank_rank >= 1 (the largest rank the policy may pick).")
@@ -270,7 +282,7 @@ class DiLoCoConfig:
         local_only = {"global_copy_device", "sync_timeout_seconds"}
         # Fields added after checkpoints were first written are hashed only when set away from their default, so an
         # older checkpoint (or worker) with the same settings keeps its fingerprint.
-        added_later = {"entropy_coding": False, "exchange_pattern": "reduce_scatter"}
+        added_later = {"entropy_coding": False, "exchange_pattern": "reduce_scatter", "adaptive_dense": False}
         shared = {
             k: v
             for k, v in self.diloco_dict().items()

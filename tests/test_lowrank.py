@@ -219,9 +219,48 @@ def test_policy_with_a_sign_floor_takes_one_bit_only_when_fp4_does_not_fit():
     assert (one_bit.rank, one_bit.compression) == (16, "sign")
 
 
+def test_dense_candidates_win_when_they_fit_and_give_way_when_they_do_not():
+    policy = WindowEnergyPolicy(16, 1, policy_compressions("sign"), energy_threshold=0.9, dense=True)
+    dense_bytes = {"sign": 2_000, "fp4": 8_000, "fp8": 16_000, "bf16": 32_000, "none": 64_000}
+
+    def bytes_of(rank: int, codec: str) -> int:
+        return dense_bytes[codec] if rank == 0 else _bytes_of(rank, codec)
+
+    fast = policy.choose(_observe(link_bytes_per_second=1e12, bytes_of=bytes_of))
+    assert (fast.rank, fast.compression) == (0, "none") and "dense" in fast.reason
+    # 10 kB window: dense fp4 (8 kB) beats every factorised setting that fits (rank 16 fp4 is 14.7 kB, too big).
+    medium = policy.choose(_observe(link_bytes_per_second=1e4, bytes_of=bytes_of))
+    assert (medium.rank, medium.compression) == (0, "fp4")
+    # 3 kB: dense sign (2 kB, error 0.36) against rank 8 sign (2.1 kB, also missing half of a flat spectrum).
+    slow = policy.choose(_observe(link_bytes_per_second=3e3, bytes_of=bytes_of))
+    assert (slow.rank, slow.compression) == (0, "sign")
+    # After a dense sync the rank ceiling starts from the largest rank again.
+    again = policy.choose(_observe(rank=0, link_bytes_per_second=None, bytes_of=bytes_of))
+    assert again.rank == 16
+    without = WindowEnergyPolicy(16, 1, policy_compressions("sign"), energy_threshold=0.9)
+    assert without.choose(_observe(link_bytes_per_second=1e12, bytes_of=bytes_of)).rank == 16
+
+
+def test_a_dense_round_averages_everything_and_keeps_the_warm_start():
+    compressor = LowRankCompressor(SHAPES, rank=2, max_rank=4, seed=SEED)
+    q_before = [q.clone() for q in compressor.q]
+    compressor.set_rank(0)
+    assert compressor.vector_lengths() == [compressor.numel]
+    flat = torch.randn(compressor.numel, generator=torch.Generator().manual_seed(3))
+    dropped = torch.full_like(flat, 0.25)
+    result = compressor.run(flat, lambda vector: (vector * 2, dropped))
+    assert torch.equal(result.average, flat * 2) and torch.equal(result.residual, dropped)
+    assert all(torch.equal(q, before) for q, before in zip(compressor.q, q_before))
+    compressor.set_rank(2)
+    assert all(torch.equal(q, before) for q, before in zip(compressor.q, q_before))
+    with pytest.raises(ValueError, match="rank must be in"):
+        compressor.set_rank(-1)
+
+
 @pytest.mark.parametrize(
     "values, field_name",
     [
+        ({"adaptive_dense": True}, "adaptive_dense"),
         ({"lowrank_rank": -1}, "lowrank_rank"),
         ({"lowrank_rank": 4, "lowrank_min_rank": 0}, "lowrank_min_rank"),
         ({"lowrank_rank": 4, "lowrank_min_rank": 8}, "lowrank_min_rank"),
@@ -420,6 +459,19 @@ def test_engine_lowrank_and_adaptive_on_two_workers():
         ),
         # Row pieces of the embedding and head are factorised as matrices of their own.
         dict(inner_steps=2, steps=4, lowrank_rank=2, compression="none", num_fragments=2, fragment_pattern="balanced"),
+        # Dense allowed and a link that takes anything: once the step time is known, every sync goes dense in fp32.
+        dict(
+            inner_steps=2,
+            steps=8,
+            overlap="delayed",
+            lowrank_rank=4,
+            adaptive_compression=True,
+            adaptive_dense=True,
+            compression="sign",
+            compression_block_size=32,
+            error_feedback=True,
+            adaptive_link_bytes_per_second=1e15,
+        ),
     ]
     results = run_on_processes(_engine_run, 2, cases)
     for index in range(len(cases)):
@@ -441,3 +493,6 @@ def test_engine_lowrank_and_adaptive_on_two_workers():
     # Nothing fits a 1 byte/s link, so every sync takes the fewest bytes.
     assert [(c["rank"], c["compression"]) for c in adaptive[0]["choices"]] == [(1, "fp4")] * 3
     assert adaptive[0]["stats"]["lowrank_rank"] == 1 and adaptive[0]["stats"]["compression_bits"] == 4
+    dense = results[0][3]
+    assert [(c["rank"], c["compression"]) for c in dense["choices"]][1:] == [(0, "none")] * 3
+    assert dense["stats"]["lowrank_rank"] == 0

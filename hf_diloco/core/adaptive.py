@@ -26,7 +26,7 @@ class Observation:
 
     Args:
         step: inner step at which the fragment was launched.
-        rank: rank used by the previous sync of this fragment.
+        rank: rank used by the previous sync of this fragment (0: it was sent dense, without factorisation).
         compression: codec used by the previous sync of this fragment.
         link_bytes_per_second: measured (or configured) cross-worker throughput; None when not known yet.
         step_seconds: measured compute time of one inner step; None when not known yet.
@@ -69,7 +69,9 @@ class WindowEnergyPolicy(CompressionPolicy):
        at least `energy_threshold` (f(r) >= X), the ceiling is the smallest candidate rank k with f(k) >= X;
        otherwise the rank is too small for the spectrum and the ceiling is the next candidate rank above r.
        Candidate ranks are `max_rank, max_rank / 2, ...` down to `min_rank`. Without a spectrum: the current rank.
-    2. Candidates: every candidate rank up to the ceiling, with every codec from `compressions` (fewest bits first).
+    2. Candidates: every candidate rank up to the ceiling, with every codec from `compressions` (fewest bits first);
+       with `dense`, also every codec at rank 0, the whole pseudo-gradient without factorisation (its estimated error
+       is the codec's alone, so it wins whenever it fits: on small matrices or flat spectra low rank only loses).
     3. Time budget: `window = step_seconds * overlap_steps`; a candidate fits when
        `bytes_of(rank, compression) / link_bytes_per_second <= window`.
     4. Among the candidates that fit, take the one with the smallest estimated error
@@ -83,9 +85,17 @@ class WindowEnergyPolicy(CompressionPolicy):
         min_rank: the smallest rank (`lowrank_min_rank`).
         compressions: codecs the policy may use.
         energy_threshold: X, the share of the energy the chosen rank should capture.
+        dense: also consider sending without factorisation (rank 0).
     """
 
-    def __init__(self, max_rank: int, min_rank: int, compressions: Sequence[str], energy_threshold: float = 0.9):
+    def __init__(
+        self,
+        max_rank: int,
+        min_rank: int,
+        compressions: Sequence[str],
+        energy_threshold: float = 0.9,
+        dense: bool = False,
+    ):
         if not 1 <= min_rank <= max_rank:
             raise ValueError(f"lowrank_min_rank must be in [1, lowrank_rank={max_rank}], got {min_rank}.")
         unknown = [c for c in compressions if c not in CODEC_BITS]
@@ -94,6 +104,7 @@ class WindowEnergyPolicy(CompressionPolicy):
         self.ranks = _rank_ladder(max_rank, min_rank)
         self.compressions = sorted(compressions, key=lambda c: (CODEC_BITS[c], CODEC_ERROR[c]))
         self.energy_threshold = energy_threshold
+        self.dense = dense
 
     def choose(self, observation: Observation) -> Choice:
         ceiling, why_rank = self._rank_ceiling(observation)
@@ -101,19 +112,22 @@ class WindowEnergyPolicy(CompressionPolicy):
         if link is None or step is None:
             return Choice(ceiling, observation.compression, f"{why_rank}; no throughput measurement yet")
         window = step * observation.overlap_steps
-        candidates = [(r, c) for r in self.ranks if r <= ceiling for c in self.compressions]
+        ranks = [r for r in self.ranks if r <= ceiling] + ([0] if self.dense else [])
+        candidates = [(r, c) for r in ranks for c in self.compressions]
         timed = [(observation.bytes_of(r, c) / link if link > 0 else float("inf"), r, c) for r, c in candidates]
         fitting = [item for item in timed if item[0] <= window]
         if not fitting:
-            seconds, rank, codec = min(timed, key=lambda item: (item[0], -item[1], CODEC_ERROR[item[2]]))
+            seconds, rank, codec = min(timed, key=lambda item: (item[0], -_fullness(item[1]), CODEC_ERROR[item[2]]))
             return Choice(rank, codec, f"{why_rank}; nothing fits {window:.3g}s, fastest takes {seconds:.3g}s")
         seconds, rank, codec = min(
-            fitting, key=lambda item: (self._error(observation, item[1], item[2]), -item[1], item[0])
+            fitting, key=lambda item: (self._error(observation, item[1], item[2]), -_fullness(item[1]), item[0])
         )
-        return Choice(rank, codec, f"{why_rank}; {seconds:.3g}s fits the {window:.3g}s window")
+        what = "dense" if rank == 0 else f"rank {rank}"
+        return Choice(rank, codec, f"{why_rank}; {what} {codec} takes {seconds:.3g}s, fits the {window:.3g}s window")
 
     def _rank_ceiling(self, observation: Observation) -> tuple[int, str]:
-        energy, current = observation.captured_energy, observation.rank
+        # After a dense sync the last spectrum measured is that of the largest factorised rank.
+        energy, current = observation.captured_energy, observation.rank or self.ranks[0]
         if not energy:
             return self._snap(current), "no spectrum yet"
         captured = energy[min(current, len(energy)) - 1]
@@ -133,10 +147,17 @@ class WindowEnergyPolicy(CompressionPolicy):
         return max(below) if below else min(self.ranks)
 
     def _error(self, observation: Observation, rank: int, codec: str) -> float:
+        if rank == 0:
+            return CODEC_ERROR[codec]
         energy = observation.captured_energy
         # Without a spectrum, assume a flat one: a rank captures its share of the largest rank.
         captured = energy[min(rank, len(energy)) - 1] if energy else rank / self.ranks[0]
         return (1.0 - captured) + CODEC_ERROR[codec]
+
+
+def _fullness(rank: int) -> float:
+    """Order of ranks by how much they keep: rank 0 (dense) keeps everything."""
+    return float("inf") if rank == 0 else rank
 
 
 def policy_compressions(floor: str) -> list[str]:

@@ -442,6 +442,7 @@ class DiLoCo:
                 config.lowrank_min_rank,
                 policy_compressions(config.compression),
                 config.adaptive_energy_threshold,
+                dense=config.adaptive_dense,
             )
             self.exchange.codec_factory = functools.partial(
                 make_codec, block_size=config.compression_block_size, scale_dtype=config.compression_scale_dtype

@@ -25,6 +25,10 @@ nothing is lost over time. The first Q of matrix j is `torch.randn(cols_j, max_r
 A Q column that is zero or non-finite (e.g. after an all-zero round) is redrawn from a generator seeded with
 `seed + 1000003 * round + matrix index`, the same on every worker.
 
+Rank 0 means a dense round: the whole flat vector is averaged as it is (no factorisation), the residual is only what
+quantization dropped, and the warm start Q is kept for the next factorised round. An adaptive policy picks it when the
+whole vector fits the window (`adaptive_dense`).
+
 Changing the rank between rounds keeps the best subspace: shrinking to k keeps the top-k left singular directions of
 Q (scaled by their singular values), growing appends freshly drawn columns.
 """
@@ -135,8 +139,11 @@ class LowRankCompressor:
     # ------------------------------------------------------------------------------------------------ sizes
 
     def vector_lengths(self, rank: int | None = None) -> list[int]:
-        """Lengths of the vectors one round averages at `rank`: `[P of every matrix ++ rest, Q of every matrix]`."""
+        """Lengths of the vectors one round averages at `rank`: `[P of every matrix ++ rest, Q of every matrix]`
+        (rank 0, a dense round: `[numel]`)."""
         rank = self.rank if rank is None else rank
+        if rank == 0:
+            return [self.numel]
         if not self.matrices:
             return [self.rest_numel]
         rows = sum(m.rows for m in self.matrices)
@@ -152,6 +159,9 @@ class LowRankCompressor:
         if rank is not None and rank != self.rank:
             self.set_rank(rank)
         flat = flat.detach().to(torch.float32)
+        if self.rank == 0:
+            average_of_all, dropped = average(flat)
+            return LowRankResult(average_of_all, dropped if self.error_feedback else None)
         rest = flat[self._rest_index]
         if not self.matrices:
             rest_avg, rest_dropped = average(rest)
@@ -198,9 +208,13 @@ class LowRankCompressor:
     # ------------------------------------------------------------------------------------------------ rank and Q
 
     def set_rank(self, rank: int) -> None:
-        """Change the rank for the next round, keeping the best directions of the current warm start."""
-        if not 1 <= rank <= self.max_rank:
-            raise ValueError(f"rank must be in [1, {self.max_rank}], got {rank}.")
+        """Change the rank for the next round, keeping the best directions of the current warm start (rank 0: a dense
+        round, which leaves the warm start as it is)."""
+        if not 0 <= rank <= self.max_rank:
+            raise ValueError(f"rank must be in [0, {self.max_rank}], got {rank}.")
+        self.rank = rank
+        if rank == 0:
+            return
         resized = []
         for index, q in enumerate(self.q):
             if rank < q.shape[1]:
@@ -211,7 +225,6 @@ class LowRankCompressor:
                 q = torch.cat([q, fresh], dim=1)
             resized.append(q.contiguous())
         self.q = resized
-        self.rank = rank
 
     def _initial_q(self) -> list[torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed)
