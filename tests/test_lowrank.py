@@ -237,6 +237,13 @@ def test_dense_candidates_win_when_they_fit_and_give_way_when_they_do_not():
     # After a dense sync the rank ceiling starts from the largest rank again.
     again = policy.choose(_observe(rank=0, link_bytes_per_second=None, bytes_of=bytes_of))
     assert again.rank == 16
+    # The largest rank captured only 80% (< 90%): the spectrum is too flat for low rank, dense only, even when a
+    # factorised setting would have been estimated as more accurate than dense sign.
+    flat = [0.05 * k for k in range(1, 17)]
+    too_flat = policy.choose(_observe(captured_energy=flat, link_bytes_per_second=3e3, bytes_of=bytes_of))
+    assert (too_flat.rank, too_flat.compression) == (0, "sign") and "dense only" in too_flat.reason
+    steep = [0.5, 0.95] + [0.95 + 0.003 * k for k in range(1, 15)]
+    assert policy.choose(_observe(captured_energy=steep, link_bytes_per_second=3e3, bytes_of=bytes_of)).rank == 2
     without = WindowEnergyPolicy(16, 1, policy_compressions("sign"), energy_threshold=0.9)
     assert without.choose(_observe(link_bytes_per_second=1e12, bytes_of=bytes_of)).rank == 16
 
