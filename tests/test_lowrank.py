@@ -264,6 +264,18 @@ def test_a_dense_round_averages_everything_and_keeps_the_warm_start():
         compressor.set_rank(-1)
 
 
+def test_a_dense_round_measures_the_spectrum_locally():
+    generator = torch.Generator().manual_seed(4)
+    rank_two = torch.randn(12, 2, generator=generator) @ torch.randn(2, 10, generator=generator)
+    compressor = LowRankCompressor([(12, 10)], rank=4, seed=SEED, track_energy=True)
+    q_before = compressor.q[0].clone()
+    compressor.set_rank(0)
+    compressor.run(rank_two.reshape(-1), _identity_average)
+    assert compressor.captured_energy[1] == pytest.approx(1.0, abs=1e-4)  # rank 2 holds all of a rank-2 matrix
+    assert compressor.captured_energy[0] < 0.99
+    assert torch.equal(compressor.q[0], q_before)
+
+
 @pytest.mark.parametrize(
     "values, field_name",
     [

@@ -72,9 +72,10 @@ class WindowEnergyPolicy(CompressionPolicy):
     2. Candidates: every candidate rank up to the ceiling, with every codec from `compressions` (fewest bits first);
        with `dense`, also every codec at rank 0, the whole pseudo-gradient without factorisation (its estimated error
        is the codec's alone, so it wins whenever it fits: on small matrices or flat spectra low rank only loses).
-       Once the largest rank has captured less than `energy_threshold` of the energy, the spectrum is too flat for
-       low rank and only the dense candidates remain (the spectrum is only measured in factorised rounds, so the
-       policy then stays dense).
+       Without a spectrum yet (a low rank's error is unknown), or while the largest rank captures less than
+       `energy_threshold` of the energy (the spectrum is too flat for low rank), only the dense candidates remain.
+       Dense rounds measure the spectrum too (locally), so the policy returns to low rank when the energy
+       concentrates.
     3. Time budget: `window = step_seconds * overlap_steps`; a candidate fits when
        `bytes_of(rank, compression) / link_bytes_per_second <= window`.
     4. Among the candidates that fit, take the one with the smallest estimated error
@@ -116,8 +117,10 @@ class WindowEnergyPolicy(CompressionPolicy):
             return Choice(ceiling, observation.compression, f"{why_rank}; no throughput measurement yet")
         window = step * observation.overlap_steps
         ranks = [r for r in self.ranks if r <= ceiling] + ([0] if self.dense else [])
-        if self.dense and self._largest_rank_misses_too_much(observation):
-            ranks, why_rank = [0], f"rank {self.ranks[0]} captured less than {self.energy_threshold:.0%}: dense only"
+        if self.dense and not observation.captured_energy:
+            ranks, why_rank = [0], "no spectrum yet: dense only"
+        elif self.dense and self._largest_rank_misses_too_much(observation):
+            ranks, why_rank = [0], f"rank {self.ranks[0]} captures less than {self.energy_threshold:.0%}: dense only"
         candidates = [(r, c) for r in ranks for c in self.compressions]
         timed = [(observation.bytes_of(r, c) / link if link > 0 else float("inf"), r, c) for r, c in candidates]
         fitting = [item for item in timed if item[0] <= window]

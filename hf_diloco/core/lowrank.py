@@ -26,7 +26,8 @@ A Q column that is zero or non-finite (e.g. after an all-zero round) is redrawn 
 `seed + 1000003 * round + matrix index`, the same on every worker.
 
 Rank 0 means a dense round: the whole flat vector is averaged as it is (no factorisation), the residual is only what
-quantization dropped, and the warm start Q is kept for the next factorised round. An adaptive policy picks it when the
+quantization dropped, and the warm start Q is kept for the next factorised round. With `track_energy` a dense round
+still measures the spectrum, locally: one power iteration from Q on this worker's own matrices. An adaptive policy picks it when the
 whole vector fits the window (`adaptive_dense`).
 
 Changing the rank between rounds keeps the best subspace: shrinking to k keeps the top-k left singular directions of
@@ -160,6 +161,8 @@ class LowRankCompressor:
             self.set_rank(rank)
         flat = flat.detach().to(torch.float32)
         if self.rank == 0:
+            if self.track_energy and self.matrices:
+                self._measure_spectrum_locally(flat)
             average_of_all, dropped = average(flat)
             return LowRankResult(average_of_all, dropped if self.error_feedback else None)
         rest = flat[self._rest_index]
@@ -243,6 +246,13 @@ class LowRankCompressor:
 
     # ------------------------------------------------------------------------------------------------ helpers
 
+    def _measure_spectrum_locally(self, flat: torch.Tensor) -> None:
+        """A dense round's spectrum: one power iteration from the warm start on this worker's own matrices, with no
+        communication and Q left as it is (it must stay identical on every worker)."""
+        matrices = [flat[m.offset : m.offset + m.numel].view(m.rows, m.cols) for m in self.matrices]
+        p_hats = [orthonormalize(matrix @ q) for matrix, q in zip(matrices, self.q)]
+        self._record_energy(matrices, [matrix.T @ p_hat for matrix, p_hat in zip(matrices, p_hats)])
+
     def _record_energy(self, matrices: list[torch.Tensor], q_parts: list[torch.Tensor]) -> None:
         """Share of this worker's ||M||^2 captured by the best rank-k part of its approximation, k = 1..rank."""
         total = sum(float(m.pow(2).sum()) for m in matrices) + 0.0
@@ -250,7 +260,7 @@ class LowRankCompressor:
             self.captured_energy = None
             return
         # P^ has orthonormal columns, so the singular values of P^ Q_i^T are those of Q_i.
-        per_rank = torch.zeros(self.rank, dtype=torch.float64)
+        per_rank = torch.zeros(max(q.shape[1] for q in q_parts), dtype=torch.float64)
         for q in q_parts:
             values = torch.linalg.svdvals(q).to(torch.float64).pow(2)
             per_rank[: values.numel()] += values
