@@ -134,7 +134,7 @@ class WindowEnergyPolicy(CompressionPolicy):
         return Choice(rank, codec, f"{why_rank}; {what} {codec} takes {seconds:.3g}s, fits the {window:.3g}s window")
 
     def _rank_ceiling(self, observation: Observation) -> tuple[int, str]:
-        # After a dense sync the last spectrum measured is that of the largest factorised rank.
+        # After a dense sync (rank 0) the ceiling search starts from the largest rank.
         energy, current = observation.captured_energy, observation.rank or self.ranks[0]
         if not energy:
             return self._snap(current), "no spectrum yet"
