@@ -205,9 +205,11 @@ def _outer_optimizer(settings: Mapping[str, Any]) -> str:
 
 def _compression(settings: Mapping[str, Any]) -> str:
     codec = settings["compression"]
-    deflated = ["deflated (lossless entropy coding)"] if settings.get("entropy_coding") else []
+    extras = ["deflated (lossless entropy coding)"] if settings.get("entropy_coding") else []
+    if settings.get("exchange_pattern") == "all_gather":
+        extras.append("every worker's vector sent to every worker (quantized once)")
     if codec == "none":
-        return ", ".join(["none (fp32)", *deflated])
+        return ", ".join(["none (fp32)", *extras])
     details = []
     if "compression_block_size" in settings:
         details.append(f"{settings['compression_block_size']} values per scale block")
@@ -215,7 +217,7 @@ def _compression(settings: Mapping[str, Any]) -> str:
         details.append(f"{settings['compression_scale_dtype']} scales")
     if "error_feedback" in settings:
         details.append(f"error feedback {'on' if settings['error_feedback'] else 'off'}")
-    return ", ".join([f"{codec} ({', '.join(details)})" if details else codec, *deflated])
+    return ", ".join([f"{codec} ({', '.join(details)})" if details else codec, *extras])
 
 
 def _results_table(results: Mapping[str, Any] | None) -> str:

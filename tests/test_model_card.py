@@ -85,6 +85,13 @@ def test_compression_row_names_codec_scales_and_entropy_coding():
     )
     plain = render_model_card(_settings(compression="none"), COMMUNICATION, "d", None, None)
     assert _table_value(plain, label) == "none (fp32)"
+    sign = _settings(
+        compression="sign", compression_block_size=256, error_feedback=True, exchange_pattern="all_gather"
+    )
+    assert _table_value(render_model_card(sign, COMMUNICATION, "d", None, None), label) == (
+        "sign (256 values per scale block, fp32 scales, error feedback on), every worker's vector sent to every "
+        "worker (quantized once)"
+    )
 
 
 def test_communication_against_hand_computed_ddp_bytes():
