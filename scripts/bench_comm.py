@@ -73,7 +73,7 @@ def prepare_data(folder: Path, block_size: int, train_files: int = 200, vocab_si
 def _ddp_counting_hook(counter: dict, world: int):
     def hook(state, bucket):
         payload = bucket.buffer()
-        counter["bytes"] += 2 * (world - 1) * payload.numel() * payload.element_size() // world
+        counter["bytes"] += _ring_all_reduce_bytes(payload, world)
         work = dist.all_reduce(payload, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0] / world)
 
@@ -87,8 +87,13 @@ def _all_reduce_gradients(model: torch.nn.Module, world: int) -> int:
         if param.grad is not None:
             dist.all_reduce(param.grad)
             param.grad /= world
-            sent += 2 * (world - 1) * param.grad.numel() * param.grad.element_size() // world
+            sent += _ring_all_reduce_bytes(param.grad, world)
     return sent
+
+
+def _ring_all_reduce_bytes(tensor: torch.Tensor, world: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of `tensor` over `world` ranks."""
+    return 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
 
 
 def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:

@@ -42,11 +42,14 @@ def _train_sharded(rank: int, world: int, config_kwargs: dict, steps: int) -> di
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("entropy_coding", [False, True])
-def test_sharded_outer_sync_equals_unsharded_reference(entropy_coding):
+@pytest.mark.parametrize(
+    "options", [{}, {"entropy_coding": True}, {"exchange_pattern": "all_gather"}], ids=["plain", "deflate", "gather"]
+)
+def test_sharded_outer_sync_equals_unsharded_reference(options):
     assert BATCH % 2 == 0 and SEQ > 0 and VOCAB > 0
     steps, inner = 9, 4
-    results = run_on_processes(_train_sharded, 4, dict(inner_steps=inner, entropy_coding=entropy_coding), steps)
+    entropy_coding = options.get("entropy_coding", False)
+    results = run_on_processes(_train_sharded, 4, dict(inner_steps=inner, **options), steps)
     locals_, glob = reference_run(2, steps, inner)
     for result in results:
         for name, value in glob.items():
