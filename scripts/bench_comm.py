@@ -163,8 +163,12 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         trained = torch.nn.parallel.DistributedDataParallel(model)
         trained.register_comm_hook(None, _ddp_counting_hook(counter, world))
     ddp_steps = getattr(args, "ddp_steps", 0) if fields is not None else 0
+
+    def start_engine() -> DiLoCo:
+        return DiLoCo(model, optimizer, DiLoCoConfig(**fields))
+
     if fields is not None and not ddp_steps:
-        engine = DiLoCo(model, optimizer, DiLoCoConfig(**fields))
+        engine = start_engine()
     shard = data["train"][rank::world]
     curve = []
     started = time.perf_counter()
@@ -182,7 +186,7 @@ def worker(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         if engine is not None:
             engine.step()
         elif step == ddp_steps:
-            engine = DiLoCo(model, optimizer, DiLoCoConfig(**fields))
+            engine = start_engine()
         if step % args.log_every == 0 or step == args.steps:
             curve.append((step, float(loss.detach())))
     if engine is not None:

@@ -382,9 +382,7 @@ class _ExchangeJob:
         if self.exchange.keep_residual:
             residual = torch.cat([chunk - codec.decode(enc, chunk_numel) for chunk, enc in zip(chunks, encoded)])
         received, sent = self._all_to_all(encoded, codec.encoded_nbytes(chunk_numel))
-        total = torch.zeros(chunk_numel, dtype=torch.float32)
-        for payload in received:
-            total += codec.decode(payload, chunk_numel)
+        total = _sum_decoded(received, codec, chunk_numel)
         # The all_gather of the averaged chunks, as an all_to_all that sends the same payload to every worker.
         gathered, sent_back = self._all_to_all(
             [codec.encode(total / workers)] * workers, codec.encoded_nbytes(chunk_numel)
@@ -400,10 +398,7 @@ class _ExchangeJob:
         encoded = codec.encode(shard)
         residual = shard - codec.decode(encoded, numel) if self.exchange.keep_residual else None
         received, sent = self._all_to_all([encoded] * workers, codec.encoded_nbytes(numel))
-        total = torch.zeros(numel, dtype=torch.float32)
-        for payload in received:
-            total += codec.decode(payload, numel)
-        return total / workers, residual, sent
+        return _sum_decoded(received, codec, numel) / workers, residual, sent
 
     def _all_to_all(self, payloads: list[torch.Tensor], nbytes: int) -> tuple[list[torch.Tensor], int]:
         """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""
@@ -488,6 +483,14 @@ def _inflate_piece(stream: memoryview, size: int) -> bytes | None:
     except zlib.error:
         return None
     return raw if len(raw) == size and inflater.eof and not inflater.unused_data else None
+
+
+def _sum_decoded(payloads: list[torch.Tensor], codec: Codec, numel: int) -> torch.Tensor:
+    """The fp32 sum of the decoded payloads, in worker order (so every worker computes the same bits)."""
+    total = torch.zeros(numel, dtype=torch.float32)
+    for payload in payloads:
+        total += codec.decode(payload, numel)
+    return total
 
 
 def _padded_length(numel: int, granularity: int) -> int:

@@ -27,8 +27,8 @@ A Q column that is zero or non-finite (e.g. after an all-zero round) is redrawn 
 
 Rank 0 means a dense round: the whole flat vector is averaged as it is (no factorisation), the residual is only what
 quantization dropped, and the warm start Q is kept for the next factorised round. With `track_energy` a dense round
-still measures the spectrum, locally: one power iteration from Q on this worker's own matrices. An adaptive policy picks it when the
-whole vector fits the window (`adaptive_dense`).
+still measures the spectrum, locally: one power iteration from Q on this worker's own matrices. An adaptive policy
+picks it when the whole vector fits the window (`adaptive_dense`).
 
 Changing the rank between rounds keeps the best subspace: shrinking to k keeps the top-k left singular directions of
 Q (scaled by their singular values), growing appends freshly drawn columns.
@@ -170,7 +170,7 @@ class LowRankCompressor:
             rest_avg, rest_dropped = average(rest)
             return self._finish(flat, [], [], [], rest_avg, rest_dropped)
         self._redraw_dead_columns()
-        matrices = [flat[m.offset : m.offset + m.numel].view(m.rows, m.cols) for m in self.matrices]
+        matrices = self._matrix_views(flat)
         p_parts = [matrix @ q for matrix, q in zip(matrices, self.q)]
         p_avg, rest_dropped = average(torch.cat([p.reshape(-1) for p in p_parts] + [rest]))
         p_hats = [orthonormalize(p) for p in self._split(p_avg, [m.rows for m in self.matrices])]
@@ -246,10 +246,13 @@ class LowRankCompressor:
 
     # ------------------------------------------------------------------------------------------------ helpers
 
+    def _matrix_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[m.offset : m.offset + m.numel].view(m.rows, m.cols) for m in self.matrices]
+
     def _measure_spectrum_locally(self, flat: torch.Tensor) -> None:
         """A dense round's spectrum: one power iteration from the warm start on this worker's own matrices, with no
         communication and Q left as it is (it must stay identical on every worker)."""
-        matrices = [flat[m.offset : m.offset + m.numel].view(m.rows, m.cols) for m in self.matrices]
+        matrices = self._matrix_views(flat)
         p_hats = [orthonormalize(matrix @ q) for matrix, q in zip(matrices, self.q)]
         self._record_energy(matrices, [matrix.T @ p_hat for matrix, p_hat in zip(matrices, p_hats)])
 
