@@ -277,9 +277,22 @@ def test_close_syncs_the_tail_so_no_training_is_dropped():
     assert aligned[0]["final_syncs"] == 0 and aligned[0]["close_bytes"] == 0  # nothing trained since the last sync
 
 
-def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str) -> dict:
+ADAPTIVE_DENSE_SIGN = dict(
+    lowrank_rank=4,
+    adaptive_compression=True,
+    adaptive_dense=True,
+    compression="sign",
+    compression_block_size=32,
+    error_feedback=True,
+    exchange_pattern="all_gather",
+    adaptive_link_bytes_per_second=1.0,
+    adaptive_energy_threshold=0.05,  # low rank allowed once a dense round has measured the spectrum
+)
+
+
+def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str, extra: dict) -> dict:
     """Uninterrupted vs save at a mid-round step (an exchange in flight) and load into fresh objects."""
-    config = dict(inner_steps=4, num_fragments=2, overlap=overlap, fragment_pattern=pattern)
+    config = dict(inner_steps=4, num_fragments=2, overlap=overlap, fragment_pattern=pattern, **extra)
     steps, saved_at = 15, 10
     model, optimizer, engine = train_engine(rank, config, saved_at)
     buffer = io.BytesIO()
@@ -302,16 +315,36 @@ def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str) -> dict
         (engine.global_parameters(), engine_b.global_parameters()),
         (dict(model.named_parameters()), dict(model_b.named_parameters())),
     )
-    return {"equal": all(torch.equal(a[n], b[n]) for a, b in pairs for n in a), "in_flight": len(state["pending"])}
+    return {
+        "equal": all(torch.equal(a[n], b[n]) for a, b in pairs for n in a),
+        "in_flight": len(state["pending"]),
+        "choices": [(c["rank"], c["compression"]) for c in engine.exchange.choices],
+        "resumed_choices": [(c["rank"], c["compression"]) for c in engine_b.exchange.choices],
+    }
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("overlap, pattern", [("delayed", "strided"), ("eager", "strided"), ("eager", "balanced")])
-def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap, pattern):
+@pytest.mark.parametrize(
+    "overlap, pattern, extra",
+    [
+        ("delayed", "strided", {}),
+        ("eager", "strided", {}),
+        ("eager", "balanced", {}),
+        # Adaptive with dense candidates, sign and error feedback. A hopeless link makes every choice the fewest
+        # bytes, so the choices do not depend on measured step times.
+        ("eager", "strided", ADAPTIVE_DENSE_SIGN),
+    ],
+)
+def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap, pattern, extra):
     """Invariant 5 for the round-long overlaps: the in-flight round and eager's own outer state are in the state.
 
     With `balanced` the embedding and head are synced as row pieces in both fragments.
     """
-    for result in run_on_processes(_resume_mid_round, 2, overlap, pattern):
+    for result in run_on_processes(_resume_mid_round, 2, overlap, pattern, extra):
         assert result["in_flight"] == 2
         assert result["equal"]
+        if extra:
+            # Dense 1-bit rounds until a dense round has measured the spectrum, then rank 1: the resumed run takes
+            # the same choices from the restored spectrum, warm start and residual.
+            assert result["choices"][:2] == [(0, "sign")] * 2 and result["choices"][-1] == (1, "sign")
+            assert result["resumed_choices"] == result["choices"][-len(result["resumed_choices"]) :]
