@@ -290,6 +290,81 @@ ADAPTIVE_DENSE_SIGN = dict(
 )
 
 
+def _books_after_close_cases(rank: int, world: int, cases: list[tuple]) -> list[dict]:
+    return [_books_after_close(rank, world, *case) for case in cases]
+
+
+def _books_after_close(rank: int, world: int, overlap: str, steps: int, flush: bool) -> dict:
+    """Everything the workers trained vs where θg ends, with 1-bit error feedback and one quantization per round.
+
+    With outer lr 1 and no momentum θg moves by exactly the averages it applies, so once close() has flushed the
+    residuals θg = θ0 - mean over workers of every pseudo-gradient the workers produced (each round's start - end,
+    measured on the model here, not by the engine).
+    """
+    config = dict(
+        inner_steps=4,
+        overlap=overlap,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        compression="sign",
+        compression_block_size=32,
+        error_feedback=True,
+        exchange_pattern="all_gather",
+        error_feedback_flush=flush,
+    )
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(**config))
+
+    def flat() -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+    theta0 = start = flat()
+    produced = torch.zeros_like(theta0)
+    for t in range(1, steps + 1):
+        inner_step(model, optimizer, rank, t)
+        if t % config["inner_steps"] == 0:
+            produced += start - flat()
+        engine.step()
+        if t % config["inner_steps"] == 0:
+            start = flat()  # where the next round starts: θg, or eager's own trajectory
+    produced += start - flat()  # the tail (zero when the run ends on a round)
+    round_bytes = engine.stats["max_sync_bytes"]
+    engine.close()
+    everyone = [None] * world
+    torch.distributed.all_gather_object(everyone, produced)
+    expected = theta0 - sum(everyone) / world
+    final = engine.global_parameters()
+    actual = torch.cat([final[name].reshape(-1) for name, _ in model.named_parameters()])
+    return {
+        "relative_error": float((actual - expected).norm() / (theta0 - expected).norm()),
+        "final_sync_bytes": engine.stats["final_sync_bytes"],
+        "max_sync_bytes": engine.stats["max_sync_bytes"],
+        "round_bytes": round_bytes,
+        "numel": theta0.numel(),
+    }
+
+
+@pytest.mark.timeout(300)
+def test_close_flushes_the_error_feedback_residual_so_nothing_is_dropped():
+    # 12 steps: the run ends on a round (the residual alone is flushed); 14: a two-step tail goes with it.
+    cases = [
+        (overlap, steps, flush)
+        for overlap in ("streaming", "delayed", "eager")
+        for steps in (12, 14)
+        for flush in (True, False)
+    ]
+    results = run_on_processes(_books_after_close_cases, 2, cases)
+    for case, result in zip(cases, results[0]):
+        if not case[2]:
+            assert result["relative_error"] > 1e-2, case  # without the flush the last residual is lost
+    for case, result in (pair for worker in results for pair in zip(cases, worker) if pair[0][2]):
+        assert result["relative_error"] < 1e-5, (case, result)
+        assert result["final_sync_bytes"] == 4 * result["numel"]  # fp32, one payload to the other worker
+        # The peak counts the 1-bit rounds (2 bits a value with 32-value blocks and fp32 scales), not the flush.
+        assert result["max_sync_bytes"] == result["round_bytes"] < result["final_sync_bytes"] / 15
+
+
 def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str, extra: dict) -> dict:
     """Uninterrupted vs save at a mid-round step (an exchange in flight) and load into fresh objects."""
     config = dict(inner_steps=4, num_fragments=2, overlap=overlap, fragment_pattern=pattern, **extra)
