@@ -50,7 +50,6 @@ class DiLoCoConfig:
         compression_block_size (`int`): elements per absmax scale block.
         compression_scale_dtype (`str`): dtype of the per-block scales.
         error_feedback (`bool`): add what quantization dropped to the next pseudo-gradient.
-        error_feedback_flush (`bool`): at `close()`, send the residual still held (and any tail) uncompressed.
         entropy_coding (`bool`): deflate the encoded payload before it crosses workers (lossless, fewer bytes).
         exchange_pattern (`str`): `reduce_scatter` (quantize, average, requantize, all-gather) or `all_gather`
             (every worker's quantized vector to every worker: one quantization, same bytes for 2 workers).
@@ -117,14 +116,6 @@ class DiLoCoConfig:
     )
     error_feedback: bool = field(
         default=False, metadata={"help": "Carry the quantization residual into the next pseudo-gradient."}
-    )
-    error_feedback_flush: bool = field(
-        default=True,
-        metadata={
-            "help": "When training ends (close()), send the residual error feedback still holds, with any tail, "
-            "uncompressed (fp32), so the final model holds everything compression dropped. One fp32 exchange per "
-            "run; only with error_feedback or lowrank_rank."
-        },
     )
     entropy_coding: bool = field(
         default=False,
@@ -214,14 +205,7 @@ class DiLoCoConfig:
         _check_int("lowrank_min_rank", self.lowrank_min_rank, minimum=1)
         _check_float("adaptive_energy_threshold", self.adaptive_energy_threshold, low=0.0, high=1.0, low_open=True)
         _check_float("adaptive_link_bytes_per_second", self.adaptive_link_bytes_per_second, low=0.0)
-        for name in (
-            "outer_nesterov",
-            "error_feedback",
-            "error_feedback_flush",
-            "entropy_coding",
-            "adaptive_compression",
-            "adaptive_dense",
-        ):
+        for name in ("outer_nesterov", "error_feedback", "entropy_coding", "adaptive_compression", "adaptive_dense"):
             _check_bool(name, getattr(self, name))
         if self.lowrank_rank and self.lowrank_min_rank > self.lowrank_rank:
             raise ValueError(
@@ -298,24 +282,13 @@ class DiLoCoConfig:
         local_only = {"global_copy_device", "sync_timeout_seconds"}
         # Fields added after checkpoints were first written are hashed only when set away from their default, so an
         # older checkpoint (or worker) with the same settings keeps its fingerprint.
-        added_later = {
-            "entropy_coding": False,
-            "exchange_pattern": "reduce_scatter",
-            "adaptive_dense": False,
-            "error_feedback_flush": True,
-        }
+        added_later = {"entropy_coding": False, "exchange_pattern": "reduce_scatter", "adaptive_dense": False}
         shared = {
             k: v
             for k, v in self.diloco_dict().items()
             if k not in local_only and not (k in added_later and v == added_later[k])
         }
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
-
-    @property
-    def flushes_residual_at_close(self) -> bool:
-        """Whether `close()` sends a residual (error feedback's, or low rank's, which is always kept) uncompressed."""
-        keeps_residual = (self.error_feedback and self.compression != "none") or self.lowrank_rank > 0
-        return self.error_feedback_flush and keeps_residual
 
     def short_run_warning(self, total_inner_steps: int) -> str | None:
         """A warning when the outer momentum remembers more outer rounds than half of the run has, else None.

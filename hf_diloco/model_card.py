@@ -217,8 +217,6 @@ def _compression(settings: Mapping[str, Any]) -> str:
         details.append(f"{settings['compression_scale_dtype']} scales")
     if "error_feedback" in settings:
         details.append(f"error feedback {'on' if settings['error_feedback'] else 'off'}")
-        if settings["error_feedback"] and settings.get("error_feedback_flush"):  # older runs did not record it
-            details.append("its residual sent uncompressed at the end")
     return ", ".join([f"{codec} ({', '.join(details)})" if details else codec, *extras])
 
 

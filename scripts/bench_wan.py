@@ -167,9 +167,6 @@ def diloco_config(method: str, spec: dict):
             lowrank_rank=spec["lowrank_rank"],
             lowrank_min_rank=max(1, spec["lowrank_rank"] // 8),
             adaptive_compression=True,
-            # BENCHMARKS.md section 4 predates the fp32 flush at close(); off, its *_incl_drain columns keep their
-            # meaning (the wait for the last round in flight).
-            error_feedback_flush=False,
             **common,
         )
     return None

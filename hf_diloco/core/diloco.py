@@ -62,9 +62,8 @@ class DiLoCo:
         only ever sees true averages and is identical on every worker; a_m is per worker. In the first round, and
         after a round skipped on every worker, a_m and OuterOpt_m restart from θg and its state, and Δ~ = Δm^r / M.
     `close()` waits for what is in flight and applies it at once, then syncs each fragment's tail (steps since its
-    last launch) by a plain average, θg <- θg - avg (no outer step), so θg holds every inner step; θm <- θg. With a
-    residual kept (error feedback, low rank) and `error_feedback_flush`, that last sync carries the residual too and
-    goes uncompressed (fp32), so θg also holds everything compression dropped.
+    last launch) by a plain average, θg <- θg - avg (no outer step), so θg holds every inner step; θm <- θg. The tail
+    also carries every error-feedback residual not yet sent.
 
     With `lowrank_rank` > 0, the exchange averages a PowerSGD approximation of Δm instead (see `lowrank.py`; its error
     feedback is always on), and with `adaptive_compression` a policy picks rank and codec per sync (`adaptive.py`;
@@ -160,28 +159,27 @@ class DiLoCo:
         is what gets evaluated and saved, would drop up to H - H/P steps of training. Every worker has the same step
         count, so every worker syncs the same fragments. Afterwards θm <- θg on every worker.
 
-        The tail carries every residual not yet sent. With `config.flushes_residual_at_close` (error feedback or low
-        rank, and `error_feedback_flush`) it goes uncompressed, and a fragment without a tail that holds a residual
-        sends that alone, so θg ends up holding everything compression dropped (one fp32 exchange per run; the peak
-        `max_sync_bytes` counts rounds only, the final sync is in `final_sync_bytes`).
+        Error feedback loses nothing here either: with delayed/eager the drain brings the last round's residual while
+        the one before it is still unsent, so both are kept, and a tail carries them. With outer lr 1 and no momentum,
+        θg minus the workers' mean residual still held then equals θ0 minus the mean of every pseudo-gradient they
+        produced (a test).
         """
-        flush = self.config.flushes_residual_at_close
+        streaming = self.config.overlap == "streaming"
         tails = self._tail_fragments()
-        final = [
-            p
-            for p in range(self.config.num_fragments)
-            if p in tails or (flush and (self._residual[p] is not None or p in self._in_flight))
-        ]
-        # delayed/eager: measured from where the round started, before the drain resets θm.
-        early = {} if self.config.overlap == "streaming" else {p: self._pseudo_gradient(p) for p in final}
+        # delayed/eager: how far θm moved since the round started, measured before the drain resets θm.
+        moved = {} if streaming else {p: self._moved(p) for p in tails}
+        unsent = list(self._residual)
         for fragment in sorted(self._in_flight, key=lambda p: self._in_flight[p].apply_at):
-            if self.config.overlap == "streaming":
+            if streaming:
                 self._apply_streaming(fragment, tau_override=0)
             else:
                 self._finish_round(fragment, self._in_flight.pop(fragment))
                 self._write_local(fragment, self._global[fragment])
-        for fragment in final:
-            self._sync_tail(fragment, self._final_delta(fragment, early.get(fragment)), lossless=flush)
+        if not streaming:
+            self._residual = [_sum_of_residuals(a, b) for a, b in zip(unsent, self._residual)]
+        for fragment in tails:
+            delta = self._pseudo_gradient(fragment) if streaming else self._with_residual(fragment, moved[fragment])
+            self._sync_tail(fragment, delta)
         if self._anchor is not None:  # θm = θg now; training after close() starts from there
             for fragment in range(self.config.num_fragments):
                 self._restart_eager_trajectory(fragment)
@@ -296,24 +294,17 @@ class DiLoCo:
     # ----------------------------------------------------------------------------------------------- schedule
 
     def _pseudo_gradient(self, fragment: int) -> torch.Tensor:
-        """Δm = (where this round started) - θm, plus the error-feedback residual of the last send."""
+        """Δm = (where this round started) - θm, plus the error-feedback residual not yet sent."""
+        return self._with_residual(fragment, self._moved(fragment))
+
+    def _moved(self, fragment: int) -> torch.Tensor:
         start = self._anchor[fragment] if self.config.overlap == "eager" else self._global[fragment]
-        delta = start - self._flatten_local(fragment).to(self._device)
+        return start - self._flatten_local(fragment).to(self._device)
+
+    def _with_residual(self, fragment: int, delta: torch.Tensor) -> torch.Tensor:
         if self._residual[fragment] is not None:
             delta += self._residual[fragment].to(self._device)
         return delta
-
-    def _final_delta(self, fragment: int, early: torch.Tensor | None) -> torch.Tensor:
-        """What `close()` sends for a fragment: its tail since the last launch plus every residual not yet sent.
-
-        streaming measures it after the drain (which applied everything in flight). delayed/eager measured it before
-        (`early`, which holds the residual of the round before the last); the last round's residual, known only
-        after the drain, joins it.
-        """
-        if early is None:
-            return self._pseudo_gradient(fragment)
-        residual = self._residual[fragment]
-        return early if residual is None else early + residual.to(self._device)
 
     def _tail_fragments(self) -> list[int]:
         """Fragments with inner steps since their last launch (or never launched, after at least one step)."""
@@ -327,21 +318,17 @@ class DiLoCo:
                 tails.append(fragment)
         return tails
 
-    def _sync_tail(self, fragment: int, delta: torch.Tensor, lossless: bool = False) -> None:
+    def _sync_tail(self, fragment: int, delta: torch.Tensor) -> None:
         description = (
             f"final outer sync of fragment {fragment} at inner step {self.inner_step} "
             f"with peers {self.topology.outer_peers()}"
         )
-        if lossless:
-            pending = self.exchange.launch(delta.cpu(), description, blocking=True, codec=make_codec("none"))
-        else:
-            compressor = None if self._lowrank is None else self._lowrank[fragment]
-            pending = self.exchange.launch(
-                delta.cpu(), description, blocking=True, compressor=compressor, context=self._launch_context(fragment)
-            )
-        bytes_before, peak = self.stats["bytes_sent"], self.stats["max_sync_bytes"]
+        compressor = None if self._lowrank is None else self._lowrank[fragment]
+        pending = self.exchange.launch(
+            delta.cpu(), description, blocking=True, compressor=compressor, context=self._launch_context(fragment)
+        )
+        bytes_before = self.stats["bytes_sent"]
         average = self._collect(fragment, _InFlight(pending, self.inner_step))
-        self.stats["max_sync_bytes"] = peak  # the peak is the rounds'; the final sync has its own counter
         self.stats["final_sync_bytes"] = (
             self.stats.get("final_sync_bytes", 0) + self.stats["bytes_sent"] - bytes_before
         )
@@ -646,6 +633,12 @@ class DiLoCo:
                     buffer = param.detach().to("cpu").contiguous()
                     dist.broadcast(buffer, src=source, group=group)
                     param.copy_(buffer.to(param.device))
+
+
+def _sum_of_residuals(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
+    if first is None or second is None:
+        return second if first is None else first
+    return first + second
 
 
 def _stable_hash(text: str) -> int:

@@ -185,19 +185,13 @@ class OuterExchange:
         blocking: bool = False,
         compressor: LowRankCompressor | None = None,
         context: dict | None = None,
-        codec: Codec | None = None,
     ) -> PendingExchange:
         """Start averaging `vector`; with `compressor`, average its low-rank approximation instead.
 
         `context` tells an adaptive policy about the launch: `step`, `fragment`, `step_seconds`, `overlap_steps`.
-        `codec` replaces the exchange's codec for this launch (without `compressor`).
         """
-        if codec is not None and compressor is not None:
-            raise ValueError(
-                "A launch takes a codec or a low-rank compressor (whose policy picks the codec), not both."
-            )
         vector = vector.detach().to(torch.float32).contiguous()
-        job = _ExchangeJob(self, vector, compressor, context or {}, codec)
+        job = _ExchangeJob(self, vector, compressor, context or {})
         if blocking and self.inline_when_blocking:
             future: Future = Future()
             future.set_result(job())
@@ -256,13 +250,11 @@ class _ExchangeJob:
         vector: torch.Tensor,
         compressor: LowRankCompressor | None = None,
         context: dict | None = None,
-        codec: Codec | None = None,
     ):
         self.exchange = exchange
         self.vector = vector
         self.compressor = compressor
         self.context = context or {}
-        self.codec = codec or exchange.codec
         self.sent = self.intra = 0
         self.link_seconds = 0.0
         self.averaged_bound = self.averaged_sent = 0  # cross-worker averaging: `wire_bytes` and what was sent
@@ -275,7 +267,7 @@ class _ExchangeJob:
         self.link_seconds = time.perf_counter() - started
         clipped = self._clip_outlier() if ex.clip_factor > 0 else False
         if self.compressor is None:
-            average, residual = self._average(self.vector, self.codec)
+            average, residual = self._average(self.vector, ex.codec)
             return ExchangeResult(average, residual, self.sent, self.intra, clipped)
         choice = self._decide() if ex.policy is not None else None
         codec = ex.codec_named(choice["compression"]) if choice else ex.codec
