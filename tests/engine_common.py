@@ -15,6 +15,17 @@ VOCAB, SEQ, BATCH, LAYERS = 64, 8, 2, 4
 INNER_LR = 3e-3
 
 
+# Adaptive compression that may send a fragment whole (rank 0), in 1 bit with error feedback, on tiny blocks.
+ADAPTIVE_DENSE_SIGN = dict(
+    lowrank_rank=4,
+    adaptive_compression=True,
+    adaptive_dense=True,
+    compression="sign",
+    compression_block_size=32,
+    error_feedback=True,
+)
+
+
 def tiny_llama(
     vocab: int, layers: int, max_positions: int, heads: int = 4, kv_heads: int = 2, seed: int = 0, **config_kwargs
 ) -> LlamaForCausalLM:

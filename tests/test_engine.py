@@ -12,7 +12,14 @@ import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
 from tests.dist_utils import run_on_processes
-from tests.engine_common import INNER_LR, inner_step, reference_run, tiny_model, train_engine
+from tests.engine_common import (
+    ADAPTIVE_DENSE_SIGN,
+    INNER_LR,
+    inner_step,
+    reference_run,
+    tiny_model,
+    train_engine,
+)
 
 
 def _train_engine(rank: int, world: int, cases: list[dict]) -> list[dict]:
@@ -277,13 +284,8 @@ def test_close_syncs_the_tail_so_no_training_is_dropped():
     assert aligned[0]["final_syncs"] == 0 and aligned[0]["close_bytes"] == 0  # nothing trained since the last sync
 
 
-ADAPTIVE_DENSE_SIGN = dict(
-    lowrank_rank=4,
-    adaptive_compression=True,
-    adaptive_dense=True,
-    compression="sign",
-    compression_block_size=32,
-    error_feedback=True,
+RESUMABLE_ADAPTIVE = dict(
+    ADAPTIVE_DENSE_SIGN,
     exchange_pattern="all_gather",
     adaptive_link_bytes_per_second=1.0,
     adaptive_energy_threshold=0.05,  # low rank allowed once a dense round has measured the spectrum
@@ -399,7 +401,7 @@ def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str, extra: 
         ("eager", "balanced", {}),
         # Adaptive with dense candidates, sign and error feedback. A hopeless link makes every choice the fewest
         # bytes, so the choices do not depend on measured step times.
-        ("eager", "strided", ADAPTIVE_DENSE_SIGN),
+        ("eager", "strided", RESUMABLE_ADAPTIVE),
     ],
 )
 def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap, pattern, extra):

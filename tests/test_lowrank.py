@@ -23,7 +23,7 @@ from hf_diloco.core.exchange import OuterExchange
 from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
-from tests.engine_common import VOCAB, train_engine
+from tests.engine_common import ADAPTIVE_DENSE_SIGN, VOCAB, train_engine
 
 SHAPES = [(12, 10), (10,), (6, 8), (3, 3)]  # (3, 3): rank 2 would not save bytes, so it is sent as it is
 SEED = 7
@@ -479,18 +479,7 @@ def test_engine_lowrank_and_adaptive_on_two_workers():
         # Row pieces of the embedding and head are factorised as matrices of their own.
         dict(inner_steps=2, steps=4, lowrank_rank=2, compression="none", num_fragments=2, fragment_pattern="balanced"),
         # Dense allowed and a link that takes anything: once the step time is known, every sync goes dense in fp32.
-        dict(
-            inner_steps=2,
-            steps=8,
-            overlap="delayed",
-            lowrank_rank=4,
-            adaptive_compression=True,
-            adaptive_dense=True,
-            compression="sign",
-            compression_block_size=32,
-            error_feedback=True,
-            adaptive_link_bytes_per_second=1e15,
-        ),
+        dict(ADAPTIVE_DENSE_SIGN, inner_steps=2, steps=8, overlap="delayed", adaptive_link_bytes_per_second=1e15),
     ]
     results = run_on_processes(_engine_run, 2, cases)
     for index in range(len(cases)):
