@@ -15,15 +15,10 @@ VOCAB, SEQ, BATCH, LAYERS = 64, 8, 2, 4
 INNER_LR = 3e-3
 
 
-# Adaptive compression that may send a fragment whole (rank 0), in 1 bit with error feedback, on tiny blocks.
-ADAPTIVE_DENSE_SIGN = dict(
-    lowrank_rank=4,
-    adaptive_compression=True,
-    adaptive_dense=True,
-    compression="sign",
-    compression_block_size=32,
-    error_feedback=True,
-)
+# 1 bit per value with error feedback, on tiny blocks.
+SIGN_EF = dict(compression="sign", compression_block_size=32, error_feedback=True)
+# Adaptive compression that may send a fragment whole (rank 0), with SIGN_EF as the floor.
+ADAPTIVE_DENSE_SIGN = dict(SIGN_EF, lowrank_rank=4, adaptive_compression=True, adaptive_dense=True)
 
 
 def tiny_llama(

@@ -9,12 +9,14 @@ import time
 
 import pytest
 import torch
+from torch.nn.utils import parameters_to_vector
 
 from hf_diloco import DiLoCo, DiLoCoConfig
 from tests.dist_utils import run_on_processes
 from tests.engine_common import (
     ADAPTIVE_DENSE_SIGN,
     INNER_LR,
+    SIGN_EF,
     inner_step,
     reference_run,
     tiny_model,
@@ -304,21 +306,14 @@ def _books_after_close(rank: int, world: int, overlap: str, steps: int) -> dict:
     every pseudo-gradient they produced (each round's start - end, measured on the model here, not by the engine).
     """
     config = dict(
-        inner_steps=4,
-        overlap=overlap,
-        outer_lr=1.0,
-        outer_momentum=0.0,
-        compression="sign",
-        compression_block_size=32,
-        error_feedback=True,
-        exchange_pattern="all_gather",
+        SIGN_EF, inner_steps=4, overlap=overlap, outer_lr=1.0, outer_momentum=0.0, exchange_pattern="all_gather"
     )
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
     engine = DiLoCo(model, optimizer, DiLoCoConfig(**config))
 
     def flat() -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        return parameters_to_vector(model.parameters()).detach().clone()
 
     theta0 = start = flat()
     produced = torch.zeros_like(theta0)
@@ -334,7 +329,7 @@ def _books_after_close(rank: int, world: int, overlap: str, steps: int) -> dict:
     everyone = [None] * world
     torch.distributed.all_gather_object(everyone, (produced, engine.state_dict()["residual"][0]))
     final = engine.global_parameters()
-    in_theta_g = torch.cat([final[name].reshape(-1) for name, _ in model.named_parameters()])
+    in_theta_g = parameters_to_vector(final[name] for name, _ in model.named_parameters())
     expected = theta0 - sum(p for p, _ in everyone) / world
     held = sum(r for _, r in everyone) / world
     return {
