@@ -20,6 +20,7 @@ import yaml
 COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4", "sign")
 FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
 OVERLAP_MODES = ("streaming", "delayed", "eager")
+EAGER_ESTIMATES = ("own_share", "fitted")
 EXCHANGE_PATTERNS = ("reduce_scatter", "all_gather")
 SCALE_DTYPES = ("fp32", "bf16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
@@ -44,6 +45,9 @@ class DiLoCoConfig:
         sync_delay (`int`): tau, inner steps between launching a fragment's exchange and applying it.
         merge_alpha (`float`): alpha in `local <- alpha * local + (1 - alpha) * global` when tau > 0.
         overlap (`str`): `streaming` (tau-step overlap), `delayed` (one-round delay) or `eager`.
+        eager_estimate (`str`): what `eager` applies for the round until its average arrives: `own_share` (Kale et
+            al.: this worker's pseudo-gradient / M) or `fitted` (w x this worker's pseudo-gradient, w fitted on the
+            last round that arrived).
 
     Compression:
         compression (`str`): codec for the exchanged pseudo-gradient.
@@ -101,6 +105,16 @@ class DiLoCoConfig:
     overlap: str = field(
         default="streaming",
         metadata={"help": "Overlap mode of the outer sync.", "choices": list(OVERLAP_MODES)},
+    )
+    eager_estimate: str = field(
+        default="own_share",
+        metadata={
+            "help": "What overlap=eager applies for a round until its average arrives a round later (then the "
+            "difference is corrected): own_share (Kale et al.: this worker's pseudo-gradient / M) or fitted (w x this "
+            "worker's pseudo-gradient, w in [1/M, 1] the least-squares fit of the last average that arrived on this "
+            "worker's own pseudo-gradient of that round: how much of the average its own progress explains).",
+            "choices": list(EAGER_ESTIMATES),
+        },
     )
     compression: str = field(
         default="none",
@@ -242,6 +256,12 @@ class DiLoCoConfig:
             )
         _check_choice("fragment_pattern", self.fragment_pattern, FRAGMENT_PATTERNS)
         _check_choice("overlap", self.overlap, OVERLAP_MODES)
+        _check_choice("eager_estimate", self.eager_estimate, EAGER_ESTIMATES)
+        if self.eager_estimate != "own_share" and self.overlap != "eager":
+            raise ValueError(
+                f"eager_estimate='{self.eager_estimate}' only applies with overlap='eager' (got overlap="
+                f"'{self.overlap}'); set overlap: eager or leave eager_estimate at own_share."
+            )
         _check_choice("compression", self.compression, COMPRESSIONS)
         _check_choice("exchange_pattern", self.exchange_pattern, EXCHANGE_PATTERNS)
         _check_choice("compression_scale_dtype", self.compression_scale_dtype, SCALE_DTYPES)
@@ -282,7 +302,12 @@ class DiLoCoConfig:
         local_only = {"global_copy_device", "sync_timeout_seconds"}
         # Fields added after checkpoints were first written are hashed only when set away from their default, so an
         # older checkpoint (or worker) with the same settings keeps its fingerprint.
-        added_later = {"entropy_coding": False, "exchange_pattern": "reduce_scatter", "adaptive_dense": False}
+        added_later = {
+            "entropy_coding": False,
+            "exchange_pattern": "reduce_scatter",
+            "adaptive_dense": False,
+            "eager_estimate": "own_share",
+        }
         shared = {
             k: v
             for k, v in self.diloco_dict().items()

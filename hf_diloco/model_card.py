@@ -129,7 +129,7 @@ def render_model_card(
         "fragment_pattern": settings.get("fragment_pattern", NOT_RECORDED),
         "sync_delay": settings["sync_delay"],
         "merge_alpha": _number(settings["merge_alpha"]),
-        "overlap": settings["overlap"],
+        "overlap": _overlap(settings),
         "outer_optimizer": _outer_optimizer(settings),
         "compression": _compression(settings),
         "pipeline_stages": settings["pipeline_stages"],
@@ -194,6 +194,12 @@ def _algorithm_name(settings: Mapping[str, Any]) -> str:
     if int(settings["num_fragments"]) > 1 or int(settings["sync_delay"]) > 0:
         return "Streaming DiLoCo"
     return "DiLoCo"
+
+
+def _overlap(settings: Mapping[str, Any]) -> str:
+    if settings["overlap"] == "eager" and settings.get("eager_estimate", "own_share") != "own_share":
+        return f"eager ({settings['eager_estimate']} estimate of each round until its average arrives)"
+    return settings["overlap"]
 
 
 def _outer_optimizer(settings: Mapping[str, Any]) -> str:

@@ -43,14 +43,15 @@ def tiny_model(seed: int = 0, layers: int = LAYERS) -> LlamaForCausalLM:
     return tiny_llama(VOCAB, layers, 64, heads=2, seed=seed, tie_word_embeddings=False)
 
 
-def batch_for(worker: int, step: int) -> dict[str, torch.Tensor]:
+def batch_for(worker: int, step: int, tokens: int = VOCAB) -> dict[str, torch.Tensor]:
+    """Random ids below `tokens`: with fewer than VOCAB, every worker's data shares that structure."""
     generator = torch.Generator().manual_seed(1000 * worker + step)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    ids = torch.randint(0, tokens, (BATCH, SEQ), generator=generator)
     return {"input_ids": ids, "labels": ids}
 
 
-def inner_step(model, optimizer, worker: int, step: int) -> float:
-    loss = model(**batch_for(worker, step)).loss
+def inner_step(model, optimizer, worker: int, step: int, tokens: int = VOCAB) -> float:
+    loss = model(**batch_for(worker, step, tokens)).loss
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -130,6 +131,8 @@ def reference_run(
     outer_lr: float = 0.7,
     momentum: float = 0.9,
     overlap: str = "streaming",
+    eager_estimate: str = "own_share",
+    tokens: int = VOCAB,
 ) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Plain-torch simulation of M workers; returns (local params per worker, global params)."""
     models = [tiny_model() for _ in range(workers)]
@@ -144,6 +147,13 @@ def reference_run(
     anchor = [{n: glob[n].clone() for n in names} for _ in range(workers)]
 
     eager_buf: list[dict[Unit, torch.Tensor]] = [{} for _ in range(workers)]  # each worker's own outer momentum
+    own_weight: dict[int, list[float]] = {}  # fitted eager: the weight each worker gave its own Δm at the last launch
+
+    def fitted_weight(own: dict[Unit, torch.Tensor], mean: dict[Unit, torch.Tensor]) -> float:
+        """Least squares: the multiple of `own` closest to `mean`, kept within [1/M, 1]."""
+        dot = sum(float((own[n] * mean[n]).sum()) for n in own)
+        energy = sum(float((own[n] * own[n]).sum()) for n in own)
+        return min(1.0, max(1.0 / workers, dot / energy))
 
     def outer_update(values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor], momentum_of=buf) -> None:
         for n, g in mean_delta.items():
@@ -167,7 +177,7 @@ def reference_run(
 
     for t in range(1, steps + 1):
         for w in range(workers):
-            inner_step(models[w], optimizers[w], w, t)
+            inner_step(models[w], optimizers[w], w, t, tokens)
         for fragment in [p for p, (at, _) in in_flight.items() if at == t and overlap == "streaming"]:
             apply_streaming(fragment, sync_delay)
         for p in range(num_fragments):
@@ -195,10 +205,19 @@ def reference_run(
                 # outer optimizer; its trajectory starts from the global model and its momentum.
                 if previous is None:
                     estimate = {n: sent[w][n] / workers for n in frag_names}
+                    own_weight.setdefault(p, [1.0 / workers] * workers)[w] = 1.0 / workers
                     for n in frag_names:
                         anchor[w][n] = glob[n].clone()
                         if n in buf:
                             eager_buf[w][n] = buf[n].clone()
+                elif eager_estimate == "fitted":
+                    # w·Δm^r stands in for round r; what avg^{r-1} adds to last round's w·Δm^{r-1} comes now.
+                    weight = fitted_weight({n: own_sent[p][w][n] for n in frag_names}, previous[1])
+                    applied = own_weight[p][w]
+                    estimate = {
+                        n: previous[1][n] - applied * own_sent[p][w][n] + weight * sent[w][n] for n in frag_names
+                    }
+                    own_weight[p][w] = weight
                 else:
                     others = {n: previous[1][n] - own_sent[p][w][n] / workers for n in frag_names}
                     estimate = {n: sent[w][n] / workers + others[n] for n in frag_names}

@@ -55,6 +55,9 @@ BAD_VALUES = [
     ({"data_parallel_per_worker": 0}, "data_parallel_per_worker"),
     ({"sync_timeout_seconds": 0}, "sync_timeout_seconds"),
     ({"overlap": "eager", "sync_delay": 1, "inner_steps": 10}, "sync_delay"),
+    ({"overlap": "eager", "eager_estimate": "oracle"}, "eager_estimate"),
+    ({"eager_estimate": "fitted"}, "eager_estimate"),
+    ({"overlap": "delayed", "eager_estimate": "fitted"}, "eager_estimate"),
     ({"entropy_coding": "yes"}, "entropy_coding"),
     ({"error_feedback": 1}, "error_feedback"),
     ({"outer_nesterov": "false"}, "outer_nesterov"),
@@ -73,6 +76,8 @@ def test_fingerprint_of_earlier_settings_is_unchanged_by_later_fields():
     streaming = DiLoCoConfig(inner_steps=8, num_fragments=4, sync_delay=1, compression="fp4")
     assert streaming.fingerprint() == "d02001ce26961651"
     assert DiLoCoConfig(entropy_coding=True).fingerprint() != DiLoCoConfig().fingerprint()  # workers must agree on it
+    eager = DiLoCoConfig(overlap="eager")
+    assert DiLoCoConfig(overlap="eager", eager_estimate="fitted").fingerprint() != eager.fingerprint()
 
 
 def test_yaml_loading_with_section_and_overrides(tmp_path):

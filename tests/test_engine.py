@@ -12,11 +12,13 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from hf_diloco import DiLoCo, DiLoCoConfig
+from hf_diloco.core.diloco import fitted_estimate_weight
 from tests.dist_utils import run_on_processes
 from tests.engine_common import (
     ADAPTIVE_DENSE_SIGN,
     INNER_LR,
     SIGN_EF,
+    VOCAB,
     inner_step,
     reference_run,
     tiny_model,
@@ -32,6 +34,7 @@ def _train_engine(rank: int, world: int, cases: list[dict]) -> list[dict]:
         steps = case.pop("steps")
         delays = case.pop("random_delays", False)
         inline = case.pop("inline_when_blocking", True)
+        tokens = case.pop("tokens", VOCAB)
         model = tiny_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
         engine = DiLoCo(model, optimizer, DiLoCoConfig(**case))
@@ -40,7 +43,7 @@ def _train_engine(rank: int, world: int, cases: list[dict]) -> list[dict]:
             rng = random.Random(rank)
             engine.exchange.delay_seconds = lambda rng=rng: rng.uniform(0, 0.02)
         for t in range(1, steps + 1):
-            inner_step(model, optimizer, rank, t)
+            inner_step(model, optimizer, rank, t, tokens)
             engine.step()
         engine.close()
         results.append(
@@ -156,20 +159,32 @@ def test_streaming_matches_reference(workers):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("overlap", ["delayed", "eager"])
-def test_delayed_and_eager_match_reference(overlap):
-    workers, inner = 2, 4
-    cases = [
-        dict(inner_steps=inner, steps=3 * inner + 1, overlap=overlap),
-        dict(inner_steps=inner, steps=3 * inner + 1, overlap=overlap, num_fragments=2, random_delays=True),
-    ]
+@pytest.mark.parametrize(
+    "overlap, estimate, workers", [("delayed", "own_share", 2), ("eager", "own_share", 2), ("eager", "fitted", 3)]
+)
+def test_delayed_and_eager_match_reference(overlap, estimate, workers):
+    inner = 4
+    # Data the workers share some structure of (ids below 8), so the fitted weight lands inside (1/M, 1).
+    tokens = 8 if estimate == "fitted" else VOCAB
+    base = dict(inner_steps=inner, steps=3 * inner + 1, overlap=overlap, eager_estimate=estimate, tokens=tokens)
+    cases = [dict(base), dict(base, num_fragments=2, random_delays=True)]
     results = run_on_processes(_train_engine, workers, cases)
     _assert_identical_global_state(results)
     for index, case in enumerate(cases):
-        locals_, glob = reference_run(workers, case["steps"], inner, case.get("num_fragments", 1), overlap=overlap)
+        locals_, glob = reference_run(
+            workers,
+            case["steps"],
+            inner,
+            case.get("num_fragments", 1),
+            overlap=overlap,
+            eager_estimate=estimate,
+            tokens=tokens,
+        )
         for rank in range(workers):
             _assert_close(results[rank][index]["global"], glob)
             _assert_close(results[rank][index]["local"], locals_[rank])
+            if estimate == "fitted":  # a weight strictly inside [1/M, 1]: the fit itself is what was checked
+                assert 1 / workers < results[rank][index]["stats"]["eager_estimate_weight"] < 1
 
 
 @pytest.mark.timeout(300)
@@ -245,19 +260,36 @@ def test_per_fragment_sync_counters_are_logged():
     assert metrics["diloco/outer_steps"] == 4
 
 
+def test_fitted_eager_weight_is_the_least_squares_share_of_the_average():
+    """Two workers with equal-norm pseudo-gradients at cosine c: the own vector explains (1 + c) / 2 of their mean."""
+    generator = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(500, 2, generator=generator, dtype=torch.float64))
+    own = basis[:, 0].float()
+    for cosine in (0.0, 0.3, 0.86):
+        other = (cosine * basis[:, 0] + (1 - cosine**2) ** 0.5 * basis[:, 1]).float()
+        weight = fitted_estimate_weight(own, (own + other) / 2, workers=2)
+        assert weight == pytest.approx((1 + cosine) / 2, abs=1e-6)
+    assert fitted_estimate_weight(own, -own, workers=2) == 0.5  # disagreeing workers: never less than the own share
+    assert fitted_estimate_weight(own, 3 * own, workers=2) == 1.0  # never more than the own pseudo-gradient
+    assert fitted_estimate_weight(own, own, workers=4) == 1.0
+    assert fitted_estimate_weight(torch.zeros(5), torch.ones(5), workers=4) == 0.25  # a worker that did not move
+    assert fitted_estimate_weight(own, own / 7, workers=1) == 1.0  # one worker: its own is the average
+
+
 def test_eager_with_one_worker_is_blocking_diloco():
     """With M = 1 the eager estimate is the true average, so eager must follow blocking DiLoCo exactly."""
     finals = {}
-    for overlap in ("streaming", "eager"):
+    for overlap, estimate in (("streaming", "own_share"), ("eager", "own_share"), ("eager", "fitted")):
         model = tiny_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-        engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=5, overlap=overlap))
+        engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=5, overlap=overlap, eager_estimate=estimate))
         for t in range(1, 18):
             inner_step(model, optimizer, 0, t)
             engine.step()
         engine.close()
-        finals[overlap] = engine.global_parameters()
-    _assert_close(finals["eager"], finals["streaming"], atol=1e-5)
+        finals[overlap, estimate] = engine.global_parameters()
+    _assert_close(finals["eager", "own_share"], finals["streaming", "own_share"], atol=1e-5)
+    _assert_close(finals["eager", "fitted"], finals["streaming", "own_share"], atol=1e-5)
 
 
 def _close_after_a_tail(rank: int, world: int, config: dict, steps: int) -> dict:
@@ -394,6 +426,7 @@ def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str, extra: 
         ("delayed", "strided", {}),
         ("eager", "strided", {}),
         ("eager", "balanced", {}),
+        ("eager", "strided", {"eager_estimate": "fitted"}),  # the weight applied last round is in the state
         # Adaptive with dense candidates, sign and error feedback. A hopeless link makes every choice the fewest
         # bytes, so the choices do not depend on measured step times.
         ("eager", "strided", RESUMABLE_ADAPTIVE),
@@ -407,7 +440,7 @@ def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap, patter
     for result in run_on_processes(_resume_mid_round, 2, overlap, pattern, extra):
         assert result["in_flight"] == 2
         assert result["equal"]
-        if extra:
+        if extra.get("adaptive_compression"):
             # Dense 1-bit rounds until a dense round has measured the spectrum, then rank 1: the resumed run takes
             # the same choices from the restored spectrum, warm start and residual.
             assert result["choices"][:2] == [(0, "sign")] * 2 and result["choices"][-1] == (1, "sign")

@@ -142,6 +142,9 @@ def test_write_model_card(tmp_path):
     assert "diloco-eager-overlap" in loaded.data.tags
     assert 'from_pretrained("me/tiny")' in loaded.text
     assert "DiLoCo with eager overlapped updates" in loaded.text
+    assert "| Overlap mode | eager |" in loaded.text
+    fitted = render_model_card(_settings(overlap="eager", sync_delay=0, eager_estimate="fitted"), COMMUNICATION, "d")
+    assert "| Overlap mode | eager (fitted estimate of each round until its average arrives) |" in fitted
 
 
 def test_template_ships_inside_the_package():

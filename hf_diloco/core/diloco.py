@@ -33,6 +33,7 @@ class _InFlight:
     pending: PendingExchange
     apply_at: int  # inner step after which the exchange is applied
     sent: torch.Tensor | None = None  # own pseudo-gradient as sent (eager needs it next round)
+    weight: float | None = None  # eager: the w of the estimate w·sent applied at launch (None: 1/M, own_share)
 
 
 class DiLoCo:
@@ -61,6 +62,12 @@ class DiLoCo:
         one round later; the -Δm^{r-1}/M is the correction of the round before). θg, which is evaluated and saved,
         only ever sees true averages and is identical on every worker; a_m is per worker. In the first round, and
         after a round skipped on every worker, a_m and OuterOpt_m restart from θg and its state, and Δ~ = Δm^r / M.
+        That is `eager_estimate="own_share"`. In general Δ~ = avg^{r-1} - w^{r-1}·Δm^{r-1} + w^r·Δm^r: the estimate
+        w^r·Δm^r of round r's average is applied at once and swapped for the true average a round later (own_share:
+        w = 1/M). `eager_estimate="fitted"`: w^r = <Δm^{r-1}, avg^{r-1}> / <Δm^{r-1}, Δm^{r-1}> clipped to [1/M, 1],
+        the least-squares share of the last average this worker's own pseudo-gradient explains (1/M in a first or
+        restarted round). Workers that start a round together move alike, so w is near 1 when they agree and 1/M
+        when they do not; the correction makes any w lose nothing over the rounds.
     `close()` waits for what is in flight and applies it at once, then syncs each fragment's tail (steps since its
     last launch) by a plain average, θg <- θg - avg (no outer step), so θg holds every inner step; θm <- θg. The tail
     also carries every error-feedback residual not yet sent.
@@ -239,6 +246,7 @@ class DiLoCo:
                 "bytes_sent": result.bytes_sent,
                 "bytes_sent_intra_worker": result.bytes_sent_intra_worker,
                 "sent": flight.sent,
+                "estimate_weight": flight.weight,
             }
         return {
             "fingerprint": self.config.fingerprint(),
@@ -285,7 +293,7 @@ class DiLoCo:
                 item["average"], item["residual"], item["bytes_sent"], item["bytes_sent_intra_worker"]
             )
             self._in_flight[int(fragment)] = _InFlight(
-                PendingExchange.completed(result), item["apply_at"], item["sent"]
+                PendingExchange.completed(result), item["apply_at"], item["sent"], item.get("estimate_weight")
             )
         self.stats = dict(state["stats"])
         for compressor, saved in zip(self._lowrank or [], state.get("lowrank") or []):
@@ -353,18 +361,19 @@ class DiLoCo:
                 self._apply_streaming(fragment)
             return
         previous = self._in_flight.pop(fragment, None)
-        self._in_flight[fragment] = _InFlight(pending, self.inner_step + self.config.inner_steps, sent=delta)
+        flight = _InFlight(pending, self.inner_step + self.config.inner_steps, sent=delta)
+        self._in_flight[fragment] = flight
         average = self._finish_round(fragment, previous) if previous is not None else None
         if mode == "delayed":
             self._write_local(fragment, self._global[fragment])
             return
-        self._eager_update(fragment, delta, previous, average)
+        flight.weight = self._eager_update(fragment, delta, previous, average)
 
     def _eager_update(
         self, fragment: int, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
-    ) -> None:
-        """a_m <- OuterOpt_m(a_m, Δ~) and θm <- a_m (the exact rule is in the class docstring)."""
-        estimate = self._eager_estimate(delta, previous, average)
+    ) -> float:
+        """a_m <- OuterOpt_m(a_m, Δ~) and θm <- a_m (the exact rule is in the class docstring); returns w^r."""
+        estimate, weight = self._eager_estimate(delta, previous, average)
         finite = bool(torch.isfinite(estimate).all())
         # Restart from the agreed θg in the first round, after a round skipped everywhere, and when this worker's own
         # Δm is non-finite (its round will be skipped everywhere, so it must not enter the trajectory).
@@ -373,15 +382,22 @@ class DiLoCo:
         if finite:
             self._optimizer_step(self._anchor_optimizer, self._anchor, fragment, estimate)
         self._write_local(fragment, self._anchor[fragment])
+        return weight
 
     def _eager_estimate(
         self, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Δ~: this worker's Δm^r / M plus the others' share of avg^{r-1} (none in a first or restarted round)."""
+    ) -> tuple[torch.Tensor, float]:
+        """Δ~ and w^r: w^r·Δm^r for round r, plus what avg^{r-1} adds to w^{r-1}·Δm^{r-1} (none when restarted)."""
         workers = self.topology.num_workers
+        if self.config.eager_estimate == "own_share":
+            estimate = delta / workers if average is None else average + (delta - previous.sent) / workers
+            return estimate, 1.0 / workers
         if average is None:
-            return delta / workers
-        return average + (delta - previous.sent) / workers
+            return delta / workers, 1.0 / workers
+        weight = fitted_estimate_weight(previous.sent, average, workers)
+        applied = 1.0 / workers if previous.weight is None else previous.weight
+        self.stats["eager_estimate_weight"] = weight
+        return average - applied * previous.sent + weight * delta, weight
 
     def _apply_streaming(self, fragment: int, tau_override: int | None = None) -> None:
         flight = self._in_flight.pop(fragment)
@@ -633,6 +649,14 @@ class DiLoCo:
                     buffer = param.detach().to("cpu").contiguous()
                     dist.broadcast(buffer, src=source, group=group)
                     param.copy_(buffer.to(param.device))
+
+
+def fitted_estimate_weight(own: torch.Tensor, average: torch.Tensor, workers: int) -> float:
+    """The w in [1/M, 1] minimising ||average - w·own||: how much of a round's average this worker's own
+    pseudo-gradient explains (about (1 + (M - 1)·c) / M when the workers' pseudo-gradients have cosine c)."""
+    energy = float(torch.dot(own, own))
+    fit = float(torch.dot(own, average)) / energy if energy > 0 else 0.0
+    return min(1.0, max(1.0 / workers, fit)) if math.isfinite(fit) else 1.0 / workers
 
 
 def _sum_of_residuals(first: torch.Tensor | None, second: torch.Tensor | None) -> torch.Tensor | None:
