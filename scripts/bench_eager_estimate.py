@@ -1,14 +1,17 @@
 """How good is eager overlap's estimate of the round's average? Measures it on a real 2-worker run.
 
     python scripts/bench_eager_estimate.py --long
+    python scripts/bench_eager_estimate.py --long --method eager_fp4:inner_steps=25,outer_lr=1.0,outer_momentum=0.0
 
-Eager (Kale et al.) feeds each worker's own outer optimizer Δ~ = avg^{r-1} + (Δm^r - Δm^{r-1}) / M (its own
-contribution fresh, the others' one round stale) where blocking DiLoCo would use the true avg^r, which arrives one
-round later. This script trains `eager_fp4` with bench_comm.py's model, data and optimizer (`--long`:
-bench_quality.py's longer-run model) and records, for every round whose true average arrives, the relative error
-||Δ~ - avg|| / ||avg|| of the estimate and the cosine between consecutive averages avg^{r-1}, avg^r (the stale part
-of the estimate is only as good as consecutive rounds are alike). The instrumentation wraps two engine methods in the
-worker processes; it does not change what the engine computes.
+Eager applies an estimate E^r of round r's average at once and swaps it for the true avg^r a round later:
+Δ~ = avg^{r-1} - E^{r-1} + E^r. With outer lr 1 and no momentum a worker then starts round r+1 at exactly
+avg^r - E^r from where blocking DiLoCo would start it, so ||E^r - avg^r|| / ||avg^r|| is what the overlap costs.
+`own_share` (Kale et al.) has E^r = Δm^r / M; `fitted` has E^r = w^r·Δm^r, w^r fitted on round r-1 (see the engine's
+docstring). This script trains the method with bench_comm.py's model, data and optimizer (`--long`:
+bench_quality.py's longer-run model) and records, for every round whose true average arrives, the error of both
+estimates from this worker's own Δm^r (whichever the run applies), the fitted w^r, the error of the Δ~ the run applied
+(the quantity sessions 3-4 measured), and the cosine between consecutive averages. The instrumentation wraps two
+engine methods in the worker processes; it does not change what the engine computes.
 """
 
 from __future__ import annotations
@@ -24,29 +27,48 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+COLUMNS = {
+    "own_share_error": "own_share: norm(Δm/M - avg) / norm(avg)",
+    "fitted_error": "fitted: norm(w·Δm - avg) / norm(avg)",
+    "fitted_weight": "fitted w",
+    "applied_error": "applied Δ~: norm(Δ~ - avg) / norm(avg)",
+    "consecutive_cosine": "cos(avg^{r-1}, avg^r)",
+}
+
 
 def recording_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     import bench_comm
 
     from hf_diloco import DiLoCo
+    from hf_diloco.core.diloco import fitted_estimate_weight
 
     records: list[dict] = []
-    estimates: dict[int, torch.Tensor] = {}
+    launched: dict[int, dict] = {}  # fragment -> this round's own Δm, the fitted w and the applied Δ~
     previous_average: dict[int, torch.Tensor] = {}
     eager_update, finish_round = DiLoCo._eager_update, DiLoCo._finish_round
 
     def recording_eager_update(self, fragment, delta, previous, average):
         if average is not None:  # a first round's Δ~ = Δm / M is not meant as an estimate of the average
-            estimates[fragment] = self._eager_estimate(delta, previous, average).detach().clone()
+            applied, _ = self._eager_estimate(delta, previous, average)
+            launched[fragment] = {
+                "own": delta.detach().clone(),
+                "weight": fitted_estimate_weight(previous.sent, average, self.topology.num_workers),
+                "applied": applied.detach().clone(),
+            }
         return eager_update(self, fragment, delta, previous, average)
 
     def recording_finish_round(self, fragment, flight):
         average = finish_round(self, fragment, flight)
-        estimate, before = estimates.pop(fragment, None), previous_average.get(fragment)
+        round_, before = launched.pop(fragment, None), previous_average.get(fragment)
         if average is not None:
+            norm = average.norm().clamp_min(1e-30)
             row = {"step": self.inner_step, "fragment": fragment, "average_norm": float(average.norm())}
-            if estimate is not None:
-                row["estimate_error"] = float((estimate - average).norm() / average.norm().clamp_min(1e-30))
+            if round_ is not None:
+                own, workers = round_["own"], self.topology.num_workers
+                row["own_share_error"] = float((own / workers - average).norm() / norm)
+                row["fitted_error"] = float((round_["weight"] * own - average).norm() / norm)
+                row["fitted_weight"] = round_["weight"]
+                row["applied_error"] = float((round_["applied"] - average).norm() / norm)
             if before is not None:
                 row["consecutive_cosine"] = float(torch.nn.functional.cosine_similarity(before, average, dim=0))
             records.append(row)
@@ -57,6 +79,26 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
     result = bench_comm.worker(rank, world, method, args, folder)
     result["rounds"] = records
     return result
+
+
+def report(method: str, steps: int, eval_loss: float, rounds: list[dict]) -> str:
+    """The markdown table of every round, then the median of each column."""
+    lines = [
+        f"{method}, {steps} steps per worker, eval loss {eval_loss:.4f}",
+        "",
+        "| inner step | norm(avg) | " + " | ".join(COLUMNS.values()) + " |",
+        "|---" * (2 + len(COLUMNS)) + "|",
+    ]
+    for row in rounds:
+        cells = ["-" if row.get(key) is None else f"{row[key]:.3f}" for key in COLUMNS]
+        lines.append(f"| {row['step']} | {row['average_norm']:.4f} | " + " | ".join(cells) + " |")
+    medians = []
+    for key, title in COLUMNS.items():
+        values = [row[key] for row in rounds if key in row]
+        if values:
+            medians.append(f"{title}: {statistics.median(values):.3f}")
+    lines += ["", "Medians: " + "; ".join(medians) + "."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,22 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as folder:
         bench_comm.prepare_data(Path(folder), run_args.block_size, run_args.train_files, run_args.vocab_size)
         outcome = run_on_processes(recording_worker, 2, args.method, run_args, folder, timeout_seconds=3600)
-    rounds = outcome[0]["rounds"]
-    print(f"{args.method}, {run_args.steps} steps per worker, eval loss {outcome[0]['eval_loss']:.4f}")
-    print("| inner step | norm(avg) | norm(estimate - avg) / norm(avg) | cos(avg^{r-1}, avg^r) |")
-    print("|---|---|---|---|")
-    for row in rounds:
-        error, cosine = row.get("estimate_error"), row.get("consecutive_cosine")
-        print(
-            f"| {row['step']} | {row['average_norm']:.4f} | {'-' if error is None else f'{error:.3f}'} | "
-            f"{'-' if cosine is None else f'{cosine:.3f}'} |"
-        )
-    errors = [row["estimate_error"] for row in rounds if "estimate_error" in row]
-    cosines = [row["consecutive_cosine"] for row in rounds if "consecutive_cosine" in row]
-    if errors and cosines:
-        print(
-            f"\nmedian estimate error {statistics.median(errors):.3f}, median cosine {statistics.median(cosines):.3f}"
-        )
+    print(report(args.method, run_args.steps, outcome[0]["eval_loss"], outcome[0]["rounds"]))
     Path(args.out).write_text(json.dumps({"argv": comm_argv, "method": args.method, "workers": outcome}, indent=1))
 
 

@@ -34,6 +34,7 @@ QUALITY_METHODS = [
     f"streaming_fp4:{STREAMING_OUTER}@2",
     f"diloco_fp4:{SHORT_RUN_OUTER}@2",  # H = 100, no overlap: the reference for eager, delayed and adaptive
     f"eager_fp4:{SHORT_RUN_OUTER}@2",
+    f"eager_fp4:{SHORT_RUN_OUTER},eager_estimate=fitted@2",
     f"delayed_fp4:{SHORT_RUN_OUTER}@2",
     f"adaptive_fp4:{SHORT_RUN_OUTER}@2",
     f"diloco_h50:{SHORT_RUN_OUTER}@4",

@@ -7,7 +7,7 @@ Each JSON is one run (one `--seed`, read from its command line); runs of the sam
 compared with the DDP run of the same seed and the same number of workers (`ddp@1`, plain AdamW, for single-worker
 methods; the multi-worker DDP run for the others), or with the method named by `--versus name=reference` (method names
 without overrides, e.g. `eager_fp4`), or by `--pair METHOD REFERENCE` (full method names, overrides and `@workers`
-included: two settings of one method). A method may appear in several files of one seed only with the same eval loss
+included: two settings of one method); a method named in several pairs gets a row for each reference. A method may appear in several files of one seed only with the same eval loss
 (a deterministic rerun); it is then counted once.
 The gap is `loss / reference - 1`; a method is reported only for the seeds where it and its reference both ran.
 `--losses` prints the eval losses themselves (per seed and their mean over the seeds a method ran), e.g. for a grid of
@@ -33,36 +33,37 @@ def base_name(method: str) -> str:
     return method.split("@")[0].split(":")[0]
 
 
-def reference_of(result: dict, results: list[dict], versus: dict[str, str]) -> dict | None:
-    wanted = versus.get(result["method"], versus.get(base_name(result["method"])))
-    for other in results:
-        if other is result:
-            continue
-        if wanted is not None:
-            if wanted in (other["method"], base_name(other["method"])) and other["workers"] == result["workers"]:
-                return other
-        elif base_name(other["method"]) == "ddp" and other["workers"] == result["workers"]:
-            return other
-    return None
+def references_of(result: dict, results: list[dict], versus: list[tuple[str, str]]) -> list[dict]:
+    """What `result` is compared with: every reference named for its full name, else for its base name, else DDP."""
+    named = [ref for method, ref in versus if method == result["method"]]
+    named = named or [ref for method, ref in versus if method == base_name(result["method"])]
+    references = []
+    for wanted in named or [None]:
+        for other in results:
+            if other is result or other["workers"] != result["workers"]:
+                continue
+            if wanted in (other["method"], base_name(other["method"])) or (
+                wanted is None and base_name(other["method"]) == "ddp"
+            ):
+                references.append(other)
+                break
+    return references
 
 
-def gap_table(runs: dict[int, list[dict]], versus: dict[str, str]) -> list[str]:
+def gap_table(runs: dict[int, list[dict]], versus: list[tuple[str, str]]) -> list[str]:
     seeds = sorted(runs)
-    gaps: dict[str, dict[int, float]] = {}
-    labels: dict[str, str] = {}
+    gaps: dict[tuple[str, str], dict[int, float]] = {}  # (method, reference) -> seed -> gap
     for seed in seeds:
         for result in runs[seed]:
-            reference = reference_of(result, runs[seed], versus)
-            if reference is None:
-                continue
-            gaps.setdefault(result["method"], {})[seed] = result["eval_loss"] / reference["eval_loss"] - 1
-            labels[result["method"]] = reference["method"]
+            for reference in references_of(result, runs[seed], versus):
+                row = gaps.setdefault((result["method"], reference["method"]), {})
+                row[seed] = result["eval_loss"] / reference["eval_loss"] - 1
     rows = []
-    for method, per_seed in gaps.items():
+    for (method, reference), per_seed in gaps.items():
         values = list(per_seed.values())
         error = f"{100 * statistics.stdev(values) / len(values) ** 0.5:.2f}%" if len(values) > 1 else "-"
         cells = {seed: f"{100 * gap:+.2f}%" for seed, gap in per_seed.items()}
-        rows.append(([method, labels[method]], cells, [f"**{100 * statistics.fmean(values):+.2f}%**", error]))
+        rows.append(([method, reference], cells, [f"**{100 * statistics.fmean(values):+.2f}%**", error]))
     return _markdown(seeds, ["method", "vs"], rows, ["mean", "std. error"])
 
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--losses", action="store_true", help="eval losses per seed instead of gaps")
     args = parser.parse_args(argv)
-    versus = dict(pair.split("=", 1) for pair in args.versus) | dict(args.pair)
+    versus = [tuple(pair.split("=", 1)) for pair in args.versus] + [tuple(pair) for pair in args.pair]
     runs: dict[int, list[dict]] = {}
     for path in args.runs:
         seed, results = load_run(path)

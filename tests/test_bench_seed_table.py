@@ -37,6 +37,16 @@ def test_gaps_per_seed_with_reruns_and_pairs(tmp_path, capsys):
     assert rows[BALANCED][4] == "**+2.50%**"
 
 
+def test_one_method_against_two_references_gets_a_row_for_each(tmp_path, capsys):
+    module = _load()
+    files = [_run(tmp_path / "a0.json", 0, {"ddp@2": 4.0, STRIDED: 4.2, BALANCED: 4.41})]
+    module.main([*map(str, files), "--pair", BALANCED, STRIDED, "--pair", BALANCED, "ddp@2"])
+    rows = [line.split(" | ")[:3] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert ["| " + BALANCED, STRIDED, "+5.00%"] in rows
+    assert ["| " + BALANCED, "ddp@2", "+10.25%"] in rows
+    assert ["| " + STRIDED, "ddp@2", "+5.00%"] in rows
+
+
 def test_a_method_repeated_with_another_loss_is_refused(tmp_path):
     module = _load()
     files = [_run(tmp_path / "a.json", 0, {"ddp@2": 4.0}), _run(tmp_path / "b.json", 0, {"ddp@2": 4.1})]
