@@ -6,12 +6,12 @@
 Eager applies an estimate E^r of round r's average at once and swaps it for the true avg^r a round later:
 Δ~ = avg^{r-1} - E^{r-1} + E^r. With outer lr 1 and no momentum a worker then starts round r+1 at exactly
 avg^r - E^r from where blocking DiLoCo would start it, so ||E^r - avg^r|| / ||avg^r|| is what the overlap costs.
-`own_share` (Kale et al.) has E^r = Δm^r / M; `fitted` has E^r = w^r·Δm^r, w^r fitted on round r-1 (see the engine's
-docstring). This script trains the method with bench_comm.py's model, data and optimizer (`--long`:
-bench_quality.py's longer-run model) and records, for every round whose true average arrives, the error of both
-estimates from this worker's own Δm^r (whichever the run applies), the fitted w^r, the error of the Δ~ the run applied
-(the quantity sessions 3-4 measured), and the cosine between consecutive averages. The instrumentation wraps two
-engine methods in the worker processes; it does not change what the engine computes.
+`own_share` (Kale et al.) has E^r = Δm^r / M; `fitted` has E^r = w^r·Δm^r, one w^r per parameter fitted on round
+r-1 (see the engine's docstring). This script trains the method with bench_comm.py's model, data and optimizer
+(`--long`: bench_quality.py's longer-run model) and records, for every round whose true average arrives, the error of
+both estimates from this worker's own Δm^r (whichever the run applies), the fitted weights' overall scale, the error
+of the Δ~ the run applied (the quantity sessions 3-4 measured), and the cosine between consecutive averages. The
+instrumentation wraps two engine methods in the worker processes; it does not change what the engine computes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 COLUMNS = {
     "own_share_error": "own_share: norm(Δm/M - avg) / norm(avg)",
     "fitted_error": "fitted: norm(w·Δm - avg) / norm(avg)",
-    "fitted_weight": "fitted w",
+    "fitted_weight": "norm(w·Δm) / norm(Δm)",
     "applied_error": "applied Δ~: norm(Δ~ - avg) / norm(avg)",
     "consecutive_cosine": "cos(avg^{r-1}, avg^r)",
 }
@@ -43,16 +43,25 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
     from hf_diloco.core.diloco import fitted_estimate_weight
 
     records: list[dict] = []
-    launched: dict[int, dict] = {}  # fragment -> this round's own Δm, the fitted w and the applied Δ~
+    launched: dict[int, dict] = {}  # fragment -> this round's own Δm, w·Δm and the applied Δ~
     previous_average: dict[int, torch.Tensor] = {}
     eager_update, finish_round = DiLoCo._eager_update, DiLoCo._finish_round
 
     def recording_eager_update(self, fragment, delta, previous, average):
         if average is not None:  # a first round's Δ~ = Δm / M is not meant as an estimate of the average
-            applied, _ = self._eager_estimate(delta, previous, average)
+            applied, _ = self._eager_estimate(fragment, delta, previous, average)
+            workers, own = self.topology.num_workers, delta.detach().clone()
+            fitted = own.clone()  # w·Δm^r, one w per parameter fitted on round r-1
+            for (_, out), (_, sent), (_, mean) in zip(
+                self._unflatten(fragment, fitted),
+                self._unflatten(fragment, previous.sent),
+                self._unflatten(fragment, average),
+            ):
+                out.mul_(fitted_estimate_weight(sent.reshape(-1), mean.reshape(-1), workers))
             launched[fragment] = {
-                "own": delta.detach().clone(),
-                "weight": fitted_estimate_weight(previous.sent, average, self.topology.num_workers),
+                "own": own,
+                "fitted": fitted,
+                "weight": float(fitted.norm() / own.norm().clamp_min(1e-30)),
                 "applied": applied.detach().clone(),
             }
         return eager_update(self, fragment, delta, previous, average)
@@ -66,7 +75,7 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
             if round_ is not None:
                 own, workers = round_["own"], self.topology.num_workers
                 row["own_share_error"] = float((own / workers - average).norm() / norm)
-                row["fitted_error"] = float((round_["weight"] * own - average).norm() / norm)
+                row["fitted_error"] = float((round_["fitted"] - average).norm() / norm)
                 row["fitted_weight"] = round_["weight"]
                 row["applied_error"] = float((round_["applied"] - average).norm() / norm)
             if before is not None:

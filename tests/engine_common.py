@@ -147,13 +147,12 @@ def reference_run(
     anchor = [{n: glob[n].clone() for n in names} for _ in range(workers)]
 
     eager_buf: list[dict[Unit, torch.Tensor]] = [{} for _ in range(workers)]  # each worker's own outer momentum
-    own_weight: dict[int, list[float]] = {}  # fitted eager: the weight each worker gave its own Δm at the last launch
+    own_weight: dict[int, list[dict[Unit, float]]] = {}  # fitted eager: per worker and unit, the w of the last launch
 
-    def fitted_weight(own: dict[Unit, torch.Tensor], mean: dict[Unit, torch.Tensor]) -> float:
+    def fitted_weight(own: torch.Tensor, mean: torch.Tensor) -> float:
         """Least squares: the multiple of `own` closest to `mean`, kept within [1/M, 1]."""
-        dot = sum(float((own[n] * mean[n]).sum()) for n in own)
-        energy = sum(float((own[n] * own[n]).sum()) for n in own)
-        return min(1.0, max(1.0 / workers, dot / energy))
+        energy = float((own * own).sum())
+        return min(1.0, max(1.0 / workers, float((own * mean).sum()) / energy if energy > 0 else 0.0))
 
     def outer_update(values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor], momentum_of=buf) -> None:
         for n, g in mean_delta.items():
@@ -205,17 +204,17 @@ def reference_run(
                 # outer optimizer; its trajectory starts from the global model and its momentum.
                 if previous is None:
                     estimate = {n: sent[w][n] / workers for n in frag_names}
-                    own_weight.setdefault(p, [1.0 / workers] * workers)[w] = 1.0 / workers
+                    own_weight.setdefault(p, [{} for _ in range(workers)])[w] = {n: 1.0 / workers for n in frag_names}
                     for n in frag_names:
                         anchor[w][n] = glob[n].clone()
                         if n in buf:
                             eager_buf[w][n] = buf[n].clone()
                 elif eager_estimate == "fitted":
                     # w·Δm^r stands in for round r; what avg^{r-1} adds to last round's w·Δm^{r-1} comes now.
-                    weight = fitted_weight({n: own_sent[p][w][n] for n in frag_names}, previous[1])
+                    weight = {n: fitted_weight(own_sent[p][w][n], previous[1][n]) for n in frag_names}
                     applied = own_weight[p][w]
                     estimate = {
-                        n: previous[1][n] - applied * own_sent[p][w][n] + weight * sent[w][n] for n in frag_names
+                        n: previous[1][n] - applied[n] * own_sent[p][w][n] + weight[n] * sent[w][n] for n in frag_names
                     }
                     own_weight[p][w] = weight
                 else:

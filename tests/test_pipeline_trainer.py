@@ -62,8 +62,14 @@ def _dataset(padded: bool, seed: int = 1234) -> Dataset:
 SCENARIOS = {
     "llama": ("llama", True, 4, dict(num_fragments=2, fragment_pattern="strided")),
     "gpt2": ("gpt2", False, 3, dict(num_fragments=1)),
-    # Sequential fragments: stage 0 (blocks 0-1 + embeddings) has nothing of fragment 1 (blocks 2-3).
-    "llama_2w": ("llama", True, 4, dict(num_fragments=2, fragment_pattern="sequential", overlap="eager")),
+    # Sequential fragments: stage 0 (blocks 0-1 + embeddings) has nothing of fragment 1 (blocks 2-3). Fitted eager
+    # fits one weight per parameter, so each stage's fits are the unpipelined run's.
+    "llama_2w": (
+        "llama",
+        True,
+        4,
+        dict(num_fragments=2, fragment_pattern="sequential", overlap="eager", eager_estimate="fitted"),
+    ),
 }
 PIPELINE = {"llama": dict(pipeline_schedule="1f1b"), "gpt2": dict(pipeline_schedule="gpipe")}
 

@@ -33,7 +33,7 @@ class _InFlight:
     pending: PendingExchange
     apply_at: int  # inner step after which the exchange is applied
     sent: torch.Tensor | None = None  # own pseudo-gradient as sent (eager needs it next round)
-    weight: float | None = None  # eager: the w of the estimate w·sent applied at launch (None: 1/M, own_share)
+    weights: list[float] | None = None  # fitted eager: per piece, the w of the estimate w·sent applied at launch
 
 
 class DiLoCo:
@@ -64,10 +64,12 @@ class DiLoCo:
         after a round skipped on every worker, a_m and OuterOpt_m restart from θg and its state, and Δ~ = Δm^r / M.
         That is `eager_estimate="own_share"`. In general Δ~ = avg^{r-1} - w^{r-1}·Δm^{r-1} + w^r·Δm^r: the estimate
         w^r·Δm^r of round r's average is applied at once and swapped for the true average a round later (own_share:
-        w = 1/M). `eager_estimate="fitted"`: w^r = <Δm^{r-1}, avg^{r-1}> / <Δm^{r-1}, Δm^{r-1}> clipped to [1/M, 1],
-        the least-squares share of the last average this worker's own pseudo-gradient explains (1/M in a first or
-        restarted round). Workers that start a round together move alike, so w is near 1 when they agree and 1/M
-        when they do not; the correction makes any w lose nothing over the rounds.
+        w = 1/M). `eager_estimate="fitted"`: one w per parameter (row piece), w^r = <Δm^{r-1}, avg^{r-1}> /
+        <Δm^{r-1}, Δm^{r-1}> over its values, clipped to [1/M, 1]: the least-squares share of the last average this
+        worker's own pseudo-gradient explains (1/M in a first or restarted round). Workers that start a round together
+        move alike, so w is near 1 when they agree and 1/M when they do not; the correction makes any w lose nothing
+        over the rounds; per parameter, the estimate does not depend on how parameters are grouped into fragments or
+        pipeline stages.
     `close()` waits for what is in flight and applies it at once, then syncs each fragment's tail (steps since its
     last launch) by a plain average, θg <- θg - avg (no outer step), so θg holds every inner step; θm <- θg. The tail
     also carries every error-feedback residual not yet sent.
@@ -246,7 +248,7 @@ class DiLoCo:
                 "bytes_sent": result.bytes_sent,
                 "bytes_sent_intra_worker": result.bytes_sent_intra_worker,
                 "sent": flight.sent,
-                "estimate_weight": flight.weight,
+                "estimate_weights": flight.weights,
             }
         return {
             "fingerprint": self.config.fingerprint(),
@@ -293,7 +295,7 @@ class DiLoCo:
                 item["average"], item["residual"], item["bytes_sent"], item["bytes_sent_intra_worker"]
             )
             self._in_flight[int(fragment)] = _InFlight(
-                PendingExchange.completed(result), item["apply_at"], item["sent"], item.get("estimate_weight")
+                PendingExchange.completed(result), item["apply_at"], item["sent"], item.get("estimate_weights")
             )
         self.stats = dict(state["stats"])
         for compressor, saved in zip(self._lowrank or [], state.get("lowrank") or []):
@@ -367,13 +369,13 @@ class DiLoCo:
         if mode == "delayed":
             self._write_local(fragment, self._global[fragment])
             return
-        flight.weight = self._eager_update(fragment, delta, previous, average)
+        flight.weights = self._eager_update(fragment, delta, previous, average)
 
     def _eager_update(
         self, fragment: int, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
-    ) -> float:
+    ) -> list[float] | None:
         """a_m <- OuterOpt_m(a_m, Δ~) and θm <- a_m (the exact rule is in the class docstring); returns w^r."""
-        estimate, weight = self._eager_estimate(delta, previous, average)
+        estimate, weights = self._eager_estimate(fragment, delta, previous, average)
         finite = bool(torch.isfinite(estimate).all())
         # Restart from the agreed θg in the first round, after a round skipped everywhere, and when this worker's own
         # Δm is non-finite (its round will be skipped everywhere, so it must not enter the trajectory).
@@ -382,22 +384,33 @@ class DiLoCo:
         if finite:
             self._optimizer_step(self._anchor_optimizer, self._anchor, fragment, estimate)
         self._write_local(fragment, self._anchor[fragment])
-        return weight
+        return weights
 
     def _eager_estimate(
-        self, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
-    ) -> tuple[torch.Tensor, float]:
-        """Δ~ and w^r: w^r·Δm^r for round r, plus what avg^{r-1} adds to w^{r-1}·Δm^{r-1} (none when restarted)."""
+        self, fragment: int, delta: torch.Tensor, previous: _InFlight | None, average: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[float] | None]:
+        """Δ~ and w^r per piece (None: 1/M for all): w^r·Δm^r for round r, plus what avg^{r-1} adds to last round's
+        w^{r-1}·Δm^{r-1} (nothing to add in a first or restarted round)."""
         workers = self.topology.num_workers
-        if self.config.eager_estimate == "own_share":
-            estimate = delta / workers if average is None else average + (delta - previous.sent) / workers
-            return estimate, 1.0 / workers
         if average is None:
-            return delta / workers, 1.0 / workers
-        weight = fitted_estimate_weight(previous.sent, average, workers)
-        applied = 1.0 / workers if previous.weight is None else previous.weight
-        self.stats["eager_estimate_weight"] = weight
-        return average - applied * previous.sent + weight * delta, weight
+            return delta / workers, None
+        if self.config.eager_estimate == "own_share":
+            return average + (delta - previous.sent) / workers, None
+        own_views, mean_views = self._unflatten(fragment, previous.sent), self._unflatten(fragment, average)
+        weights = [
+            fitted_estimate_weight(own.reshape(-1), mean.reshape(-1), workers)
+            for (_, own), (_, mean) in zip(own_views, mean_views)
+        ]
+        applied = previous.weights or [1.0 / workers] * len(weights)
+        estimate = average.clone()
+        fresh_views = self._unflatten(fragment, delta)
+        for (_, out), (_, sent), (_, fresh), before, now in zip(
+            self._unflatten(fragment, estimate), own_views, fresh_views, applied, weights
+        ):
+            out.add_(sent, alpha=-before).add_(fresh, alpha=now)
+        sizes = [view.numel() for _, view in mean_views]
+        self.stats["eager_estimate_weight"] = sum(w * n for w, n in zip(weights, sizes)) / max(1, sum(sizes))
+        return estimate, weights
 
     def _apply_streaming(self, fragment: int, tau_override: int | None = None) -> None:
         flight = self._in_flight.pop(fragment)
