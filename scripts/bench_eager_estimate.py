@@ -1,17 +1,26 @@
-"""How good is eager overlap's estimate of the round's average? Measures it on a real 2-worker run.
+"""How good is eager overlap's estimate of the round's average? Measures it on a real run of 2 (`--workers`) workers.
 
     python scripts/bench_eager_estimate.py --long
     python scripts/bench_eager_estimate.py --long --method eager_fp4:inner_steps=25,outer_lr=1.0,outer_momentum=0.0
+    python scripts/bench_eager_estimate.py --long --method diloco_fp4:inner_steps=25,outer_lr=0.5,outer_momentum=0.5
 
 Eager applies an estimate E^r of round r's average at once and swaps it for the true avg^r a round later:
 Δ~ = avg^{r-1} - E^{r-1} + E^r. With outer lr 1 and no momentum a worker then starts round r+1 at exactly
 avg^r - E^r from where blocking DiLoCo would start it, so ||E^r - avg^r|| / ||avg^r|| is what the overlap costs.
 `own_share` (Kale et al.) has E^r = Δm^r / M; `fitted` has E^r = w^r·Δm^r, one w^r per parameter fitted on round
-r-1 (see the engine's docstring). This script trains the method with bench_comm.py's model, data and optimizer
-(`--long`: bench_quality.py's longer-run model) and records, for every round whose true average arrives, the error of
-both estimates from this worker's own Δm^r (whichever the run applies), the fitted weights' overall scale, the error
-of the Δ~ the run applied (the quantity sessions 3-4 measured), and the cosine between consecutive averages. The
-instrumentation wraps two engine methods in the worker processes; it does not change what the engine computes.
+r-1 (see the engine's docstring). The script trains the method with bench_comm.py's model, data and optimizer
+(`--long`: bench_quality.py's longer-run model).
+
+An eager method: for every round whose true average arrives, the error of both estimates from this worker's own
+Δm^r (whichever the run applies), the fitted weights' overall scale, the error of the Δ~ the run applied (the
+quantity sessions 3-4 measured), and the cosine between consecutive averages.
+
+A blocking DiLoCo method (one fragment, no delay): along its trajectory, what each candidate estimate would have
+missed of every round's average (Δm/M, the stale avg^{r-1}, Δm itself, w·Δm with one w per fragment or per
+parameter, and a per-parameter fit on the round itself, which no worker could make), and the cosine between the
+workers' pseudo-gradients of a round.
+
+The instrumentation wraps engine methods in the worker processes; it does not change what the engine computes.
 """
 
 from __future__ import annotations
@@ -27,20 +36,56 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-COLUMNS = {
+EAGER_COLUMNS = {
     "own_share_error": "own_share: norm(Δm/M - avg) / norm(avg)",
     "fitted_error": "fitted: norm(w·Δm - avg) / norm(avg)",
     "fitted_weight": "norm(w·Δm) / norm(Δm)",
     "applied_error": "applied Δ~: norm(Δ~ - avg) / norm(avg)",
     "consecutive_cosine": "cos(avg^{r-1}, avg^r)",
 }
+# Along a blocking run: what each candidate estimate would have missed of every round's average.
+BLOCKING_COLUMNS = {
+    "own_share_error": "Δm/M",
+    "stale_error": "avg^{r-1}",
+    "own_error": "Δm",
+    "fragment_fit_error": "w·Δm, one w per fragment",
+    "fitted_error": "w·Δm, one w per parameter (fitted)",
+    "oracle_error": "per parameter, w fitted on this round",
+    "workers_cosine": "cos(Δm, Δk), mean over worker pairs",
+    "consecutive_cosine": "cos(avg^{r-1}, avg^r)",
+}
+
+
+def scaled_per_parameter(engine, fragment: int, vector, own, average, workers: int | None):
+    """`vector` with each parameter's values times the least-squares w of `average` on `own` over that parameter,
+    clipped to [1/M, 1] as the engine does (`workers` = M), or not clipped at all (`workers` None)."""
+    from hf_diloco.core.diloco import fitted_estimate_weight
+
+    scaled = vector.detach().clone()
+    for (_, out), (_, mine), (_, mean) in zip(
+        engine._unflatten(fragment, scaled), engine._unflatten(fragment, own), engine._unflatten(fragment, average)
+    ):
+        mine, mean = mine.reshape(-1), mean.reshape(-1)
+        if workers is None:
+            weight = float(mine @ mean) / max(float(mine @ mine), 1e-30)
+        else:
+            weight = fitted_estimate_weight(mine, mean, workers)
+        out.mul_(weight)
+    return scaled
+
+
+def _relative_error(estimate, average) -> float:
+    return float((estimate - average).norm() / average.norm().clamp_min(1e-30))
+
+
+def _cosine(a, b) -> float:
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
 
 
 def recording_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     import bench_comm
 
     from hf_diloco import DiLoCo
-    from hf_diloco.core.diloco import fitted_estimate_weight
 
     records: list[dict] = []
     launched: dict[int, dict] = {}  # fragment -> this round's own Δm, w·Δm and the applied Δ~
@@ -50,14 +95,8 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
     def recording_eager_update(self, fragment, delta, previous, average):
         if average is not None:  # a first round's Δ~ = Δm / M is not meant as an estimate of the average
             applied, _ = self._eager_estimate(fragment, delta, previous, average)
-            workers, own = self.topology.num_workers, delta.detach().clone()
-            fitted = own.clone()  # w·Δm^r, one w per parameter fitted on round r-1
-            for (_, out), (_, sent), (_, mean) in zip(
-                self._unflatten(fragment, fitted),
-                self._unflatten(fragment, previous.sent),
-                self._unflatten(fragment, average),
-            ):
-                out.mul_(fitted_estimate_weight(sent.reshape(-1), mean.reshape(-1), workers))
+            own = delta.detach().clone()
+            fitted = scaled_per_parameter(self, fragment, own, previous.sent, average, self.topology.num_workers)
             launched[fragment] = {
                 "own": own,
                 "fitted": fitted,
@@ -70,16 +109,14 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
         average = finish_round(self, fragment, flight)
         round_, before = launched.pop(fragment, None), previous_average.get(fragment)
         if average is not None:
-            norm = average.norm().clamp_min(1e-30)
             row = {"step": self.inner_step, "fragment": fragment, "average_norm": float(average.norm())}
             if round_ is not None:
-                own, workers = round_["own"], self.topology.num_workers
-                row["own_share_error"] = float((own / workers - average).norm() / norm)
-                row["fitted_error"] = float((round_["fitted"] - average).norm() / norm)
+                row["own_share_error"] = _relative_error(round_["own"] / self.topology.num_workers, average)
+                row["fitted_error"] = _relative_error(round_["fitted"], average)
                 row["fitted_weight"] = round_["weight"]
-                row["applied_error"] = float((round_["applied"] - average).norm() / norm)
+                row["applied_error"] = _relative_error(round_["applied"], average)
             if before is not None:
-                row["consecutive_cosine"] = float(torch.nn.functional.cosine_similarity(before, average, dim=0))
+                row["consecutive_cosine"] = _cosine(before, average)
             records.append(row)
             previous_average[fragment] = average.detach().clone()
         return average
@@ -90,19 +127,72 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
     return result
 
 
-def report(method: str, steps: int, eval_loss: float, rounds: list[dict]) -> str:
+def recording_blocking_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
+    """A blocking run (P = 1, τ = 0), with every candidate estimate scored against each round's true average.
+
+    The workers' pseudo-gradients are all-gathered once per round for their cosine: a collective the run itself
+    does not have, made after the round's average is known, so the training is unchanged."""
+    import bench_comm
+    import torch.distributed as dist
+
+    from hf_diloco import DiLoCo
+    from hf_diloco.core.diloco import fitted_estimate_weight
+
+    records: list[dict] = []
+    sent: dict[int, torch.Tensor] = {}
+    before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fragment -> last round's (own Δm, average)
+    pseudo_gradient, finish_round = DiLoCo._pseudo_gradient, DiLoCo._finish_round
+
+    def recording_pseudo_gradient(self, fragment):
+        delta = pseudo_gradient(self, fragment)
+        sent[fragment] = delta.detach().clone()
+        return delta
+
+    def recording_finish_round(self, fragment, flight):
+        average = finish_round(self, fragment, flight)
+        own, workers = sent.pop(fragment), self.topology.num_workers
+        everyone = [torch.zeros_like(own) for _ in range(world)]
+        dist.all_gather(everyone, own)
+        if average is None:
+            return average
+        row = {"step": self.inner_step, "fragment": fragment, "average_norm": float(average.norm())}
+        pairs = [(a, b) for i, a in enumerate(everyone) for b in everyone[i + 1 :]]
+        row["workers_cosine"] = sum(_cosine(a, b) for a, b in pairs) / len(pairs)
+        row["own_share_error"] = _relative_error(own / workers, average)
+        row["own_error"] = _relative_error(own, average)
+        oracle = scaled_per_parameter(self, fragment, own, own, average, None)
+        row["oracle_error"] = _relative_error(oracle, average)
+        if fragment in before:
+            last_own, last_average = before[fragment]
+            row["stale_error"] = _relative_error(last_average, average)
+            whole = fitted_estimate_weight(last_own, last_average, workers)
+            row["fragment_fit_error"] = _relative_error(whole * own, average)
+            fitted = scaled_per_parameter(self, fragment, own, last_own, last_average, workers)
+            row["fitted_error"] = _relative_error(fitted, average)
+            row["consecutive_cosine"] = _cosine(last_average, average)
+        records.append(row)
+        before[fragment] = (own, average.detach().clone())
+        return average
+
+    DiLoCo._pseudo_gradient, DiLoCo._finish_round = recording_pseudo_gradient, recording_finish_round
+    result = bench_comm.worker(rank, world, method, args, folder)
+    result["rounds"] = records
+    return result
+
+
+def report(method: str, steps: int, eval_loss: float, rounds: list[dict], columns: dict[str, str]) -> str:
     """The markdown table of every round, then the median of each column."""
     lines = [
         f"{method}, {steps} steps per worker, eval loss {eval_loss:.4f}",
         "",
-        "| inner step | norm(avg) | " + " | ".join(COLUMNS.values()) + " |",
-        "|---" * (2 + len(COLUMNS)) + "|",
+        "| inner step | norm(avg) | " + " | ".join(columns.values()) + " |",
+        "|---" * (2 + len(columns)) + "|",
     ]
     for row in rounds:
-        cells = ["-" if row.get(key) is None else f"{row[key]:.3f}" for key in COLUMNS]
+        cells = ["-" if row.get(key) is None else f"{row[key]:.3f}" for key in columns]
         lines.append(f"| {row['step']} | {row['average_norm']:.4f} | " + " | ".join(cells) + " |")
     medians = []
-    for key, title in COLUMNS.items():
+    for key, title in columns.items():
         values = [row[key] for row in rounds if key in row]
         if values:
             medians.append(f"{title}: {statistics.median(values):.3f}")
@@ -121,17 +211,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", default="eager_fp4:outer_lr=0.5,outer_momentum=0.5")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token_budget", type=int, default=0, help="Override the regime's token budget.")
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/eager_estimate.json")
     args = parser.parse_args(argv)
+    fields = bench_comm.parse_method(args.method)[1] or {}
+    eager = fields.get("overlap") == "eager"
+    blocking = fields and fields.get("overlap", "streaming") == "streaming"
+    blocking = blocking and fields.get("num_fragments", 1) == 1 and fields.get("sync_delay", 0) == 0
+    if not (eager or blocking):
+        parser.error("--method must be an eager method or a blocking DiLoCo one (one fragment, sync_delay 0)")
     comm_argv = ["--seed", str(args.seed)] + (["--token_budget", str(args.token_budget)] if args.token_budget else [])
     comm_argv = bench_quality.with_defaults(comm_argv, bench_quality.regime_defaults(args.long))
     run_args = bench_comm.parse_args(comm_argv)
-    run_args.workers = 2
+    run_args.workers = args.workers
     run_args.steps = bench_comm.steps_for_budget(run_args, run_args.workers)
+    worker, columns = (recording_worker, EAGER_COLUMNS) if eager else (recording_blocking_worker, BLOCKING_COLUMNS)
     with tempfile.TemporaryDirectory() as folder:
         bench_comm.prepare_data(Path(folder), run_args.block_size, run_args.train_files, run_args.vocab_size)
-        outcome = run_on_processes(recording_worker, 2, args.method, run_args, folder, timeout_seconds=3600)
-    print(report(args.method, run_args.steps, outcome[0]["eval_loss"], outcome[0]["rounds"]))
+        outcome = run_on_processes(worker, args.workers, args.method, run_args, folder, timeout_seconds=3600)
+    print(report(args.method, run_args.steps, outcome[0]["eval_loss"], outcome[0]["rounds"], columns))
     Path(args.out).write_text(json.dumps({"argv": comm_argv, "method": args.method, "workers": outcome}, indent=1))
 
 
