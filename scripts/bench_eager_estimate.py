@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -62,10 +63,8 @@ def scaled_per_parameter(engine, fragment: int, vector, own, average, workers: i
     from hf_diloco.core.diloco import fitted_estimate_weight
 
     scaled = vector.detach().clone()
-    for (_, out), (_, mine), (_, mean) in zip(
-        engine._unflatten(fragment, scaled), engine._unflatten(fragment, own), engine._unflatten(fragment, average)
-    ):
-        mine, mean = mine.reshape(-1), mean.reshape(-1)
+    sizes = [math.prod(shape) for shape in engine._piece_shapes(fragment)]
+    for out, mine, mean in zip(scaled.split(sizes), own.split(sizes), average.split(sizes)):
         if workers is None:
             weight = float(mine @ mean) / max(float(mine @ mine), 1e-30)
         else:
@@ -90,11 +89,11 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
     records: list[dict] = []
     launched: dict[int, dict] = {}  # fragment -> this round's own Δm, w·Δm and the applied Δ~
     previous_average: dict[int, torch.Tensor] = {}
-    eager_update, finish_round = DiLoCo._eager_update, DiLoCo._finish_round
+    eager_estimate, finish_round = DiLoCo._eager_estimate, DiLoCo._finish_round
 
-    def recording_eager_update(self, fragment, delta, previous, average):
+    def recording_eager_estimate(self, fragment, delta, previous, average):
+        applied, weights = eager_estimate(self, fragment, delta, previous, average)
         if average is not None:  # a first round's Δ~ = Δm / M is not meant as an estimate of the average
-            applied, _ = self._eager_estimate(fragment, delta, previous, average)
             own = delta.detach().clone()
             fitted = scaled_per_parameter(self, fragment, own, previous.sent, average, self.topology.num_workers)
             launched[fragment] = {
@@ -103,7 +102,7 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
                 "weight": float(fitted.norm() / own.norm().clamp_min(1e-30)),
                 "applied": applied.detach().clone(),
             }
-        return eager_update(self, fragment, delta, previous, average)
+        return applied, weights
 
     def recording_finish_round(self, fragment, flight):
         average = finish_round(self, fragment, flight)
@@ -121,7 +120,7 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
             previous_average[fragment] = average.detach().clone()
         return average
 
-    DiLoCo._eager_update, DiLoCo._finish_round = recording_eager_update, recording_finish_round
+    DiLoCo._eager_estimate, DiLoCo._finish_round = recording_eager_estimate, recording_finish_round
     result = bench_comm.worker(rank, world, method, args, folder)
     result["rounds"] = records
     return result

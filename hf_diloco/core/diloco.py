@@ -396,19 +396,15 @@ class DiLoCo:
             return delta / workers, None
         if self.config.eager_estimate == "own_share":
             return average + (delta - previous.sent) / workers, None
-        own_views, mean_views = self._unflatten(fragment, previous.sent), self._unflatten(fragment, average)
-        weights = [
-            fitted_estimate_weight(own.reshape(-1), mean.reshape(-1), workers)
-            for (_, own), (_, mean) in zip(own_views, mean_views)
-        ]
+        sizes = [math.prod(shape) for shape in self._piece_shapes(fragment)]
+        own_pieces = previous.sent.split(sizes)
+        weights = [fitted_estimate_weight(own, mean, workers) for own, mean in zip(own_pieces, average.split(sizes))]
         applied = previous.weights or [1.0 / workers] * len(weights)
         estimate = average.clone()
-        fresh_views = self._unflatten(fragment, delta)
-        for (_, out), (_, sent), (_, fresh), before, now in zip(
-            self._unflatten(fragment, estimate), own_views, fresh_views, applied, weights
+        for out, sent, fresh, before, now in zip(
+            estimate.split(sizes), own_pieces, delta.split(sizes), applied, weights
         ):
             out.add_(sent, alpha=-before).add_(fresh, alpha=now)
-        sizes = [view.numel() for _, view in mean_views]
         self.stats["eager_estimate_weight"] = sum(w * n for w, n in zip(weights, sizes)) / max(1, sum(sizes))
         return estimate, weights
 
@@ -495,13 +491,13 @@ class DiLoCo:
             self.exchange.assumed_link_bytes_per_second = config.adaptive_link_bytes_per_second or None
         return [
             LowRankCompressor(
-                [piece.shape(self._params[piece.name].shape) for piece in pieces],
+                self._piece_shapes(fragment),
                 config.lowrank_rank,
                 seed=fragment,
                 track_energy=adaptive,
                 compression=config.compression,
             )
-            for fragment, pieces in enumerate(self._fragments)
+            for fragment in range(len(self._fragments))
         ]
 
     def _reset_nonfinite_inner_state(self, fragment: int) -> None:
@@ -574,10 +570,13 @@ class DiLoCo:
         param = self._params[piece.name]
         return param if param.dim() == 0 else param[piece.start : piece.stop]
 
+    def _piece_shapes(self, fragment: int) -> list[tuple[int, ...]]:
+        """The shape of each piece of `fragment`, in the order they lie in its flat vector."""
+        return [piece.shape(self._params[piece.name].shape) for piece in self._fragments[fragment]]
+
     def _unflatten(self, fragment: int, flat: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
         out, offset = [], 0
-        for piece in self._fragments[fragment]:
-            shape = piece.shape(self._params[piece.name].shape)
+        for piece, shape in zip(self._fragments[fragment], self._piece_shapes(fragment)):
             size = math.prod(shape)
             out.append((piece, flat[offset : offset + size].view(shape)))
             offset += size
