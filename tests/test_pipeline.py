@@ -1,4 +1,4 @@
-"""Pipeline stages of HF decoders (`hf_diloco.core.pipeline`) against the unsplit Hugging Face model.
+"""Pipeline stages of HF decoders (`hf_diloco.parallel.pipeline`) against the unsplit Hugging Face model.
 
 Single-process tests chain the stages by hand; distributed tests run real gloo processes (one per stage, and a 2 x 2
 stages x data-parallel grid) and compare every rank against an unsplit reference model trained in the same process
@@ -33,12 +33,11 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from hf_diloco.core.pipeline import (
+from hf_diloco.parallel.pipeline import (
     PipelineRunner,
-    PipelineStageModule,
+    build_stages,
     causal_lm_loss,
     count_loss_tokens,
-    find_decoder_parts,
     stage_layer_ranges,
 )
 
@@ -127,16 +126,17 @@ def test_stage_layer_ranges_are_balanced_and_contiguous():
 
 
 def test_unsupported_models_raise_value_error():
-    with pytest.raises(ValueError, match="Cannot pipeline a Sequential"):
-        find_decoder_parts(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="Cannot pipeline a Sequential: its config has no num_hidden_layers"):
+        build_stages(nn.Sequential(nn.Linear(2, 2)), 2)
     model = make_model("llama")
     with pytest.raises(ValueError, match="4 decoder blocks, fewer than pipeline_stages=5"):
-        PipelineStageModule(model, find_decoder_parts(model), 0, 5)
+        build_stages(model, 5)
     with pytest.raises(ValueError, match="n_microbatches >= pipeline_stages"):
         PipelineRunner(model, 0, 2, schedule="1f1b", n_microbatches=1)
-    model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="attn_implementation='flex_attention'"):
-        PipelineStageModule(model, find_decoder_parts(model), 0, 1)
+    layerdrop = make_model("opt")
+    layerdrop.config.layerdrop = 0.1
+    with pytest.raises(ValueError, match="OPTForCausalLM with layerdrop > 0"):
+        build_stages(layerdrop, 2)
 
 
 @pytest.mark.parametrize(
@@ -156,13 +156,12 @@ def test_chained_stages_match_unsplit_model(arch, tied, attn):
     model = make_model(arch, tied=tied, attn=attn)
     reference = copy.deepcopy(model)
     batch = padded_batch(torch.Generator().manual_seed(0), batch=3)
-    parts = find_decoder_parts(model)
-    assert parts.tied == tied
-    stages = [PipelineStageModule(model, parts, s, 3) for s in range(3)]
+    stages = build_stages(model, 3)
+    assert bool(stages[0].plan.tied) == tied
 
     hidden = batch["input_ids"]
     for stage in stages:
-        hidden = stage(hidden, attention_mask=batch["attention_mask"])
+        hidden = stage(hidden, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     loss = causal_lm_loss(hidden, batch["labels"], count_loss_tokens(batch["labels"]))
     loss.backward()
     expected = reference(**batch)
@@ -228,8 +227,7 @@ def reference_step(model: nn.Module, optimizer, batches: list[dict], max_norm: f
 
 def assert_tied_copies_identical(runner: PipelineRunner, group) -> None:
     """The first and the last stage (of a 2-stage pipeline) hold bitwise-equal copies of a tied embedding."""
-    path = runner.parts.embed_tokens if runner.is_first else runner.parts.head
-    weight = runner.stage_module.get_submodule(path).weight.detach()
+    (weight,) = (param.detach() for param in runner.tied_parameters())
     copies = [torch.empty_like(weight) for _ in range(dist.get_world_size(group))]
     dist.all_gather(copies, weight, group=group)
     assert torch.equal(copies[0], copies[-1])
@@ -303,9 +301,9 @@ def check_two_stage_training(rank: int, arch: str, tied: bool, schedule: str, sa
         del one_stage_state["lm_head.weight"]
     target = PipelineRunner(make_model(arch, tied=tied, seed=8), rank, 2, schedule=schedule, n_microbatches=2)
     target.load_stage_state(one_stage_state)
-    embedding = f"{target.parts.embed_tokens}.weight"
+    first_name = {last: first for first, last in target.plan.tied}
     for name, tensor in target.stage_module.state_dict().items():
-        assert torch.equal(tensor, one_stage_state[name if name in one_stage_state else embedding]), name
+        assert torch.equal(tensor, one_stage_state[name if name in one_stage_state else first_name[name]]), name
     expected = single.eval_loss(batch)
     torch.testing.assert_close(target.eval_loss(batch), expected, rtol=0, atol=1e-5)
 

@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from hf_diloco.core.pipeline import PipelineRunner
+from hf_diloco.parallel.pipeline import PipelineRunner
 from hf_diloco.pipeline_trainer import SafetensorsFolder
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import run_on_processes
