@@ -76,6 +76,7 @@ EXACT = {
     "top_k": 2,
     "rotary_dim": 4,
     "n_group": 1,
+    "num_expert_group": 1,
     "topk_group": 1,
     "n_shared_experts": 1,
     "max_position_embeddings": SIZES["positions"],
@@ -97,6 +98,10 @@ EXACT = {
     "mamba_n_heads": 4,
     "mamba_num_heads": 4,
     "mamba_head_dim": 16,
+    "mamba_d_head": 16,
+    "n_groups": 1,
+    "mamba_n_groups": 1,
+    "swa_head_dim": 2 * SIZES["head_dim"],
     "mamba_headdim": 16,
     "mamba_d_ssm": 64,
     "mamba_dt_rank": 4,
@@ -108,7 +113,38 @@ EXACT = {
     "first_k_dense_replace": 1,
     "num_nextn_predict_layers": 0,
 }
-MAXIMA = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k", "n_group", "topk_group"}
+# Fields whose default is None but that a tiny model needs set.
+UNSET = {
+    "head_dim": SIZES["head_dim"],
+    "num_key_value_heads": SIZES["heads"],
+    "num_experts_per_tok": 2,
+    "n_routed_experts": SIZES["experts"],
+    "n_shared_experts": 1,
+}
+# Fields one family needs beyond the shrinking rules.
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 3]},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"], "num_dense_layers": 1},
+    "zamba2": {
+        "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"],
+        "hybrid_layer_ids": [1, 3],
+        "n_mamba_heads": 4,
+        "mamba_headdim": 16,
+        "attention_head_dim": 8,
+        "num_key_value_heads": 4,
+    },
+}
+MAXIMA = {
+    "num_experts_per_tok",
+    "num_experts_per_token",
+    "moe_topk",
+    "moe_k",
+    "top_k",
+    "n_group",
+    "num_expert_group",
+    "topk_group",
+}
 ENDINGS = {
     "intermediate_size": SIZES["intermediate"],
     "ffn_dim": SIZES["intermediate"],
@@ -120,6 +156,8 @@ ENDINGS = {
 
 def _small(key: str, value: Any, fields: dict[str, Any]) -> Any:
     """The tiny value of one config field (unchanged when the field is not a size)."""
+    if value is None and key in UNSET:
+        return UNSET[key]
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, float) and any(word in key for word in ("dropout", "pdrop", "layerdrop", "jitter")):
@@ -137,8 +175,10 @@ def _small(key: str, value: Any, fields: dict[str, Any]) -> Any:
     old_layers = next((fields[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if k in fields), None)
     if isinstance(value, list) and old_layers and len(value) == old_layers and old_layers != NUM_LAYERS:
         return value[:NUM_LAYERS]  # per-layer lists (layer types, window sizes, ...)
+    if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+        return {k: v for k, v in value.items() if int(k) < NUM_LAYERS}  # per-layer settings
     if isinstance(value, dict):
-        return _shrink(value)
+        return {**value, **_shrink(value)}
     return value
 
 
@@ -147,9 +187,20 @@ def _shrink(fields: dict[str, Any]) -> dict[str, Any]:
     changed = {}
     for key, value in fields.items():
         small = _small(key, value, fields)
-        if small != value and not (isinstance(small, dict) and not small):
+        if small != value:
             changed[key] = small
     return changed
+
+
+def _mamba_head_dims(fields: dict[str, Any], small: dict[str, Any]) -> None:
+    """Mamba-2 mixers need heads x head size = expand x hidden size."""
+    hidden = small.get("hidden_size", fields.get("hidden_size"))
+    for heads, head_dim, expand in (
+        ("num_heads", "head_dim", "expand"),
+        ("mamba_n_heads", "mamba_d_head", "mamba_expand"),
+    ):
+        if all(key in fields for key in (heads, head_dim, expand)) and hidden:
+            small[head_dim] = fields[expand] * hidden // small.get(heads, fields[heads])
 
 
 def tiny_config(model_type: str, **overrides):
@@ -157,7 +208,10 @@ def tiny_config(model_type: str, **overrides):
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
-    fields = _shrink(config_class().to_dict())
+    defaults = config_class().to_dict()
+    fields = _shrink(defaults)
+    _mamba_head_dims(defaults, fields)
+    fields.update(FAMILY_FIELDS.get(model_type, {}))
     fields.update(overrides)
     config = config_class(**fields)
     config._attn_implementation = "eager" if model_type in EAGER_ONLY else "sdpa"

@@ -63,18 +63,40 @@ TRAINED_FAMILIES = {
 }
 # family -> what the refusal says, for the families whose forward cannot be cut at block boundaries.
 CANNOT = {
-    "cpmant": "do not reproduce the unsplit model",  # passes a position bias from block to block
-    "dory": "in the order [0, 1, 0, 1]",  # reuses its blocks
-    "hrm_text": "no nn.ModuleList of num_hidden_layers",  # recurrent H/L modules, no stack
+    "cpmant": "do not reproduce the unsplit model",
+    "dory": "in the order [0, 1, 0, 1]",  # runs its blocks twice
+    "gemma3n_text": "failed when chained",  # every block reads per-layer embeddings of the first stage
+    "gemma4": "do not reproduce the unsplit model",  # the same
+    "gemma4_text": "do not reproduce the unsplit model",
+    "hrm_text": "no nn.ModuleList of num_hidden_layers",  # recurrent H and L modules, no stack
     "hy_v4": "Shared DSA layers require top-k indices",  # layers read another layer's indexer output
     "inkling2_loop_text": "do not reproduce the unsplit model",
     "inkling2_text": "do not reproduce the unsplit model",
     "longcat_flash": "no nn.ModuleList of num_hidden_layers",  # two sub-layers per listed block
     "mllama": "in the order [0, 1, 2]",  # skips its cross-attention blocks without images
-    "prophetnet": "failed when chained",  # reads the first stage's embedding inside the blocks
-    "roformer": "do not reproduce the unsplit model",  # sinusoidal positions held by the first stage feed every block
-    "xlm": "holds parameters and runs between blocks",  # attention / FFN / norms in parallel lists
+    "prophetnet": "failed when chained",  # its n-gram stream reads the first stage's embeddings
+    "reformer": "failed when chained",  # reversible two-stream blocks
+    "roformer": "do not reproduce the unsplit model",  # the first stage's sinusoidal positions feed every block
+    "xlm": "holds parameters and runs between blocks",  # attention, FFN and norms in parallel lists
+    "zamba2": "one parameter is shared by",  # one transformer block shared by blocks on several stages
     "zaya": "do not reproduce the unsplit model",
+}
+# Families the tiny-config recipe does not build or run on `input_ids` and `attention_mask` alone.
+NOT_BUILT = {
+    "blt",  # byte patches from an entropy model
+    "cohere_compass_text",
+    "dbrx",
+    "dots3_note",
+    "dots3_note_text",
+    "gemma3n",  # needs timm
+    "gemma4_assistant",  # needs the main model's shared key/value states
+    "gemma4_unified_assistant",
+    "musicgen",  # audio codebooks and text-encoder states
+    "musicgen_melody",
+    "qwen4_exp",
+    "qwen4_exp_text",
+    "xmod",  # needs a language id
+    "zamba",
 }
 
 
@@ -100,9 +122,11 @@ def test_every_family_with_a_block_stack_pipelines_or_is_refused_with_its_reason
     assert refused.keys() == CANNOT.keys(), refused
     for family, reason in CANNOT.items():
         assert reason in refused[family], (family, refused[family])
+    not_built = {f: r.detail for f, r in family_results.items() if r.status == "not built"}
+    assert not_built.keys() <= NOT_BUILT, {f: d for f, d in not_built.items() if f not in NOT_BUILT}
     pipelined = [f for f, r in family_results.items() if r.status == "pipelines"]
     assert set(TRAINED_FAMILIES) <= set(pipelined)
-    assert len(pipelined) >= 150, len(pipelined)
+    assert len(pipelined) >= 160, len(pipelined)
 
 
 def test_ties_are_found_by_identity(family_results):
