@@ -19,8 +19,8 @@ import torch
 from datasets import Dataset
 
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
-from tests.dist_utils import run_on_processes
 from tests.engine_common import cpu_trainer_args
+from tests.pipeline_grid import run_grid
 
 
 def _load_script(name: str):
@@ -206,16 +206,8 @@ def _four_processes(rank: int, world: int, out: str) -> dict:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipeline_families")
-    two = run_on_processes(_two_processes, 2, str(out), timeout_seconds=300)
-    four = run_on_processes(_four_processes, 4, str(out), timeout_seconds=300)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = _train_every_family(str(out / "1x1"), 1)
-    finally:
-        torch.set_num_threads(threads)
-    return two, four, single
+    out = str(tmp_path_factory.mktemp("pipeline_families"))
+    return run_grid(_two_processes, _four_processes, lambda: _train_every_family(f"{out}/1x1", 1), out)
 
 
 def _check_same_training(family: str, stages: list, reference) -> list[str]:

@@ -25,6 +25,8 @@ Which stage holds what is found by structure and by one probe forward on a small
   must run each block once, in index order;
 - every other module that holds parameters is held by the first stage when the forward calls it before the blocks (or
   never), by the last stage when it calls it after them, by both when it calls it before and after;
+- parameters set directly on a module that contains the block stack (not in one of its children) are held by the
+  first and the last stage;
 - a parameter held by two stages (a tied input and output embedding, recognised by identity: the same tensor) can only
   be shared by the first and the last stage; both keep a copy, their partial gradients are summed, and the outer loop
   syncs the first stage's copy. Any other parameter shared across stages, or a module with parameters that the forward
@@ -295,13 +297,15 @@ def _logits(output) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _eval_mode(model: nn.Module) -> Iterator[None]:
-    training = model.training
+    """Eval mode without gradients; every module gets its own mode back."""
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         with torch.no_grad():
             yield
     finally:
-        model.train(training)
+        for module, training in modes:
+            module.training = training
 
 
 def _probe(
@@ -345,13 +349,16 @@ def _probe(
         for handle in handles:
             handle.remove()
     if getattr(output, "aux_loss", None) is not None:
-        raise ValueError(
-            f"Cannot pipeline a {model_name} whose output carries an auxiliary loss (MoE router logits, "
-            "output_router_logits=True): the last stage would add it from its own blocks' routers only. Set "
-            "output_router_logits=False in the model config to train on the language-model loss alone, or use "
-            "pipeline_stages=1."
-        )
+        raise _auxiliary_loss_error(model_name)
     return _Probe(phases, order, outputs, _logits(output).detach())
+
+
+def _auxiliary_loss_error(model_name: str) -> ValueError:
+    return ValueError(
+        f"Cannot pipeline a {model_name} that adds an auxiliary loss (MoE router logits, output_router_logits=True): "
+        "the last stage would compute it from its own blocks' routers only. Set output_router_logits=False in the "
+        "model config to train on the language-model loss alone, or use pipeline_stages=1."
+    )
 
 
 def _stage_names(model: nn.Module, plan: PipelinePlan, stage: int) -> dict[int, str]:
@@ -439,6 +446,8 @@ def plan_pipeline(
     ranges = stage_layer_ranges(num_layers, num_stages)
     if (_config_value(model, "layerdrop") or 0) > 0:
         raise ValueError(f"Cannot pipeline a {name} with layerdrop > 0: stages would drop blocks independently.")
+    if _config_value(model, "output_router_logits"):
+        raise _auxiliary_loss_error(name)
     outer = _outer_modules(model, blocks)
     probe = _probe(model, blocks, outer, inputs)
     if probe.block_order != list(range(num_layers)):
