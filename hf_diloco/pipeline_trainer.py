@@ -1,7 +1,7 @@
 """Pipeline-parallel workers inside `DiLoCoTrainer` (DiLoCoX, arXiv 2506.21263).
 
 With `pipeline_stages` = S > 1 a worker is S x `data_parallel_per_worker` = D processes: the stages of one replica
-form a pipeline (`hf_diloco.core.pipeline.PipelineRunner`), D pipelines train side by side inside the worker, and M
+form a pipeline (`hf_diloco.parallel.pipeline.PipelineRunner`), D pipelines train side by side inside the worker, and M
 workers sync through the outer loop (world = M x D x S). Every rank holds only its own stage: its parameters (those
 of the other stages are freed after the stage is cut), the inner optimizer state of the stage, and the stage's part
 of theta_g and of the outer optimizer state (DiLoCoX's dual optimizer policy). The outer exchange of a stage runs
@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
-from .core.pipeline import IGNORE_INDEX, PipelineRunner, count_loss_tokens
+from .parallel.pipeline import IGNORE_INDEX, PipelineRunner, count_loss_tokens
 
 SCHEDULER_NAME = "scheduler.pt"
 SAFE_WEIGHTS_NAME = "model.safetensors"
@@ -93,8 +93,7 @@ class PipelineTrainerMixin:
             device=args.device,
         )
         _free_other_stages(self.model, self.pipeline_runner.stage_module)
-        parts, stage = self.pipeline_runner.parts, self.pipeline_runner.stage_index
-        self._tied_pair = parts.tied and stage in (0, args.pipeline_stages - 1)
+        self._tied_pair = bool(self.pipeline_runner.tied_parameters())
         self._engine_module = _without(
             self.pipeline_runner.stage_module, self.pipeline_runner.stage_module.tied_copy_names
         )
@@ -111,47 +110,50 @@ class PipelineTrainerMixin:
     @property
     def diloco_num_blocks(self) -> int | None:
         """Length of the whole block stack, so fragments follow global block indices on every stage."""
-        return None if self.pipeline_runner is None else self.pipeline_runner.parts.num_layers
+        return None if self.pipeline_runner is None else self.pipeline_runner.plan.num_layers
 
-    # ---- tied embeddings: the first stage's copy is the one the outer loop syncs ----
+    # ---- tied parameters: the first stage's copy is the one the outer loop syncs ----
     #
-    # A tied matrix lives on the first and the last stage. Inner steps keep the two copies identical (summed
-    # gradients, same optimizer), but two outer syncs would not: each stage quantizes and low-rank-compresses its own
-    # flat vector, so the copies would drift apart. Only the first stage's copy is synced; the last stage receives
-    # it after every step (and at start and end), and around evaluation and saving, where it must be theta_g.
+    # A tied matrix (input and output embedding) lives on the first and the last stage. Inner steps keep the two
+    # copies identical (summed gradients, same optimizer), but two outer syncs would not: each stage quantizes and
+    # low-rank-compresses its own flat vector, so the copies would drift apart. Only the first stage's copy is synced;
+    # the last stage receives it after every step (and at start and end), and around evaluation and saving, where it
+    # must be theta_g.
 
     def _sync_tied_copy(self) -> None:
-        """Copy the first stage's embedding into the last stage's head (point to point inside the pipeline)."""
+        """Copy the first stage's tied parameters into the last stage's copies (point to point inside the pipeline)."""
         runner = self.pipeline_runner
         if runner is None or not self._tied_pair:
             return
         group = self._get_topology().pipeline_group
-        if runner.is_first:
-            weight = runner.stage_module.get_submodule(runner.parts.embed_tokens).weight.detach()
-            dist.send(weight.contiguous(), dst=dist.get_global_rank(group, runner.num_stages - 1), group=group)
-            return
-        head = runner.stage_module.get_submodule(runner.parts.head).weight
-        received = torch.empty_like(head)
-        dist.recv(received, src=dist.get_global_rank(group, 0), group=group)
-        with torch.no_grad():
-            head.copy_(received)
+        for param in runner.tied_parameters():
+            if runner.is_first:
+                dist.send(
+                    param.detach().contiguous(), dst=dist.get_global_rank(group, runner.num_stages - 1), group=group
+                )
+                continue
+            received = torch.empty_like(param)
+            dist.recv(received, src=dist.get_global_rank(group, 0), group=group)
+            with torch.no_grad():
+                param.copy_(received)
 
     @contextlib.contextmanager
     def _tied_copy_from_first_stage(self) -> Iterator[None]:
-        """While the stages hold theta_g (evaluation, saving), the last stage's head is theta_g too."""
+        """While the stages hold theta_g (evaluation, saving), the last stage's tied copies are theta_g too."""
         runner = self.pipeline_runner
         if runner is None or not self._tied_pair or runner.is_first:
             self._sync_tied_copy()
             yield
             return
-        head = runner.stage_module.get_submodule(runner.parts.head).weight
-        saved = head.detach().clone()
+        copies = runner.tied_parameters()
+        saved = [param.detach().clone() for param in copies]
         self._sync_tied_copy()
         try:
             yield
         finally:
             with torch.no_grad():
-                head.copy_(saved)
+                for param, value in zip(copies, saved):
+                    param.copy_(value)
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         self._sync_tied_copy()  # theta_g was just copied into the stages
@@ -416,17 +418,21 @@ class SafetensorsFolder(Mapping):
 
 
 def _without(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
-    """A view of `module` (same submodules, same parameter names) without the top-level children named in `names`."""
-    skip = {name.split(".")[0] for name in names}
-    for child_name in skip:  # only whole children made of excluded parameters (a tied head has no bias)
-        if any(f"{child_name}.{n}" not in names for n, _ in module.get_submodule(child_name).named_parameters()):
-            raise ValueError(f"{child_name} holds parameters besides {names}; cannot leave it to another stage.")
-    if not skip:
+    """A view of `module` (same parameter and buffer names, same block containers) without the parameters `names`.
+
+    Modules on the way to an excluded parameter are replaced by plain containers holding everything else they hold.
+    """
+    if not names:
         return module
     view = nn.Module()
     for child_name, child in module.named_children():
-        if child_name not in skip:
-            view.add_module(child_name, child)
+        inner = tuple(name[len(child_name) + 1 :] for name in names if name.startswith(f"{child_name}."))
+        view.add_module(child_name, _without(child, inner) if inner else child)
+    for name, param in module.named_parameters(recurse=False):
+        if name not in names:
+            view.register_parameter(name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        view.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
     return view
 
 

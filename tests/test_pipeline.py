@@ -1,4 +1,4 @@
-"""Pipeline stages of HF decoders (`hf_diloco.core.pipeline`) against the unsplit Hugging Face model.
+"""Pipeline stages of HF decoders (`hf_diloco.parallel.pipeline`) against the unsplit Hugging Face model.
 
 Single-process tests chain the stages by hand; distributed tests run real gloo processes (one per stage, and a 2 x 2
 stages x data-parallel grid) and compare every rank against an unsplit reference model trained in the same process
@@ -8,9 +8,11 @@ with plain torch (`model(**batch).loss.backward()`, `torch.nn.utils.clip_grad_no
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,18 +29,24 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     OPTConfig,
     OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
-from hf_diloco.core.pipeline import (
+from hf_diloco.parallel.pipeline import (
+    PipelineMismatchError,
     PipelineRunner,
     PipelineStageModule,
+    build_stages,
     causal_lm_loss,
+    check_batch,
+    check_stages,
     count_loss_tokens,
-    find_decoder_parts,
+    plan_pipeline,
     stage_layer_ranges,
 )
 
@@ -127,16 +135,17 @@ def test_stage_layer_ranges_are_balanced_and_contiguous():
 
 
 def test_unsupported_models_raise_value_error():
-    with pytest.raises(ValueError, match="Cannot pipeline a Sequential"):
-        find_decoder_parts(nn.Sequential(nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="Cannot pipeline a Sequential: its config has no num_hidden_layers"):
+        build_stages(nn.Sequential(nn.Linear(2, 2)), 2)
     model = make_model("llama")
     with pytest.raises(ValueError, match="4 decoder blocks, fewer than pipeline_stages=5"):
-        PipelineStageModule(model, find_decoder_parts(model), 0, 5)
+        build_stages(model, 5)
     with pytest.raises(ValueError, match="n_microbatches >= pipeline_stages"):
         PipelineRunner(model, 0, 2, schedule="1f1b", n_microbatches=1)
-    model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="attn_implementation='flex_attention'"):
-        PipelineStageModule(model, find_decoder_parts(model), 0, 1)
+    layerdrop = make_model("opt")
+    layerdrop.config.layerdrop = 0.1
+    with pytest.raises(ValueError, match="OPTForCausalLM with layerdrop > 0"):
+        build_stages(layerdrop, 2)
 
 
 @pytest.mark.parametrize(
@@ -156,13 +165,12 @@ def test_chained_stages_match_unsplit_model(arch, tied, attn):
     model = make_model(arch, tied=tied, attn=attn)
     reference = copy.deepcopy(model)
     batch = padded_batch(torch.Generator().manual_seed(0), batch=3)
-    parts = find_decoder_parts(model)
-    assert parts.tied == tied
-    stages = [PipelineStageModule(model, parts, s, 3) for s in range(3)]
+    stages = build_stages(model, 3)
+    assert bool(stages[0].plan.tied) == tied
 
     hidden = batch["input_ids"]
     for stage in stages:
-        hidden = stage(hidden, attention_mask=batch["attention_mask"])
+        hidden = stage(hidden, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     loss = causal_lm_loss(hidden, batch["labels"], count_loss_tokens(batch["labels"]))
     loss.backward()
     expected = reference(**batch)
@@ -178,6 +186,87 @@ def test_chained_stages_match_unsplit_model(arch, tied, attn):
         for name, param in stage.named_parameters():
             torch.testing.assert_close(param.grad, reference_params[name].grad, rtol=0, atol=1e-5, msg=name)
     assert stages[-1].tied_copy_names == (("lm_head.weight",) if tied else ())
+
+
+class _EmbeddingSkipBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, hidden: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        return hidden + torch.tanh(self.linear(hidden + embeddings))
+
+
+class _EmbeddingSkipLM(nn.Module):
+    """A pure-torch causal LM whose every block also reads the token embeddings (a skip from the model's input)."""
+
+    def __init__(self, vocab: int = 16, width: int = 8, layers: int = 4):
+        super().__init__()
+        self.config = SimpleNamespace(num_hidden_layers=layers, vocab_size=vocab)
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(_EmbeddingSkipBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
+        embeddings = self.embed(input_ids)
+        hidden = embeddings
+        for layer in self.layers:
+            hidden = layer(hidden, embeddings)
+        return SimpleNamespace(logits=self.head(hidden))
+
+
+def test_start_up_check_refuses_a_model_whose_blocks_need_more_than_the_hidden_state():
+    """The embeddings every block reads exist on the first stage only: the chained stages differ, so no stages."""
+    torch.manual_seed(0)
+    model = _EmbeddingSkipLM()
+    with pytest.raises(PipelineMismatchError, match="stages of _EmbeddingSkipLM .* differ by up to"):
+        build_stages(model, 2)
+    (whole,) = build_stages(model, 1)  # one stage is the model itself
+    batch = check_batch(model)
+    assert torch.equal(whole(batch["input_ids"], **batch), model(**batch).logits)
+
+
+def test_start_up_check_refuses_a_deliberately_wrong_split():
+    """Stages that skip block 1 of a Llama are refused with the family and the size of the difference."""
+    model = make_model("llama", tied=False)
+    inputs = check_batch(model)
+    plan, expected = plan_pipeline(model, 2, inputs)
+    assert check_stages([PipelineStageModule(model, plan, s) for s in range(2)], inputs, expected) == 0.0
+    wrong = dataclasses.replace(plan, ranges=(range(0, 1), range(2, 4)))
+    with pytest.raises(
+        PipelineMismatchError, match=r"of LlamaForCausalLM \(blocks \[\[0\], \[2, 3\]\]\).*differ by up"
+    ):
+        check_stages([PipelineStageModule(model, wrong, s) for s in range(2)], inputs, expected)
+    # A stage that reads a parameter of another stage fails on the released parameter, and is refused too.
+    reads_other = dataclasses.replace(plan, before_blocks=())
+    with pytest.raises(PipelineMismatchError, match="failed when chained"):
+        check_stages([PipelineStageModule(model, reads_other, s) for s in range(2)], inputs, expected)
+
+
+def test_mixture_of_experts_auxiliary_loss_is_refused():
+    config = MixtralConfig(vocab_size=VOCAB, num_key_value_heads=2, num_local_experts=4, **LLAMA_SIZES)
+    config.output_router_logits = True
+    with pytest.raises(ValueError, match="auxiliary loss .*output_router_logits=False"):
+        build_stages(MixtralForCausalLM(config), 2)
+    config.output_router_logits = False
+    assert len(build_stages(MixtralForCausalLM(config), 2)) == 2
+
+
+def test_chained_stages_match_unsplit_model_with_gradient_checkpointing():
+    model = make_model("llama", tied=True)
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.activation_checkpointing_enable({"use_reentrant": False})
+    assert model.model.layers[0].gradient_checkpointing
+    batch = padded_batch(torch.Generator().manual_seed(4), batch=3)
+    hidden = batch["input_ids"]
+    for stage in build_stages(model, 2):
+        hidden = stage(hidden, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    causal_lm_loss(hidden, batch["labels"], count_loss_tokens(batch["labels"])).backward()
+    reference(**batch).loss.backward()
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name].grad, rtol=0, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
@@ -228,8 +317,7 @@ def reference_step(model: nn.Module, optimizer, batches: list[dict], max_norm: f
 
 def assert_tied_copies_identical(runner: PipelineRunner, group) -> None:
     """The first and the last stage (of a 2-stage pipeline) hold bitwise-equal copies of a tied embedding."""
-    path = runner.parts.embed_tokens if runner.is_first else runner.parts.head
-    weight = runner.stage_module.get_submodule(path).weight.detach()
+    (weight,) = (param.detach() for param in runner.tied_parameters())
     copies = [torch.empty_like(weight) for _ in range(dist.get_world_size(group))]
     dist.all_gather(copies, weight, group=group)
     assert torch.equal(copies[0], copies[-1])
@@ -303,9 +391,9 @@ def check_two_stage_training(rank: int, arch: str, tied: bool, schedule: str, sa
         del one_stage_state["lm_head.weight"]
     target = PipelineRunner(make_model(arch, tied=tied, seed=8), rank, 2, schedule=schedule, n_microbatches=2)
     target.load_stage_state(one_stage_state)
-    embedding = f"{target.parts.embed_tokens}.weight"
+    first_name = {last: first for first, last in target.plan.tied}
     for name, tensor in target.stage_module.state_dict().items():
-        assert torch.equal(tensor, one_stage_state[name if name in one_stage_state else embedding]), name
+        assert torch.equal(tensor, one_stage_state[name if name in one_stage_state else first_name[name]]), name
     expected = single.eval_loss(batch)
     torch.testing.assert_close(target.eval_loss(batch), expected, rtol=0, atol=1e-5)
 

@@ -14,11 +14,11 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
-from hf_diloco.core.pipeline import PipelineRunner
+from hf_diloco.parallel.pipeline import PipelineRunner
 from hf_diloco.pipeline_trainer import SafetensorsFolder
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
-from tests.dist_utils import run_on_processes
 from tests.engine_common import cpu_trainer_args, tiny_llama
+from tests.pipeline_grid import run_grid
 
 VOCAB, SEQ, SAMPLES = 96, 12, 48
 H, STEPS, CHECKPOINT = 4, 8, 6
@@ -151,14 +151,13 @@ def _four_processes(rank: int, world: int, out: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_trainer")
-    two = run_on_processes(_two_processes, 2, str(out), timeout_seconds=400)
-    four = run_on_processes(_four_processes, 4, str(out), timeout_seconds=300)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in the spawned processes; tiny models run slower on more threads
-    try:
-        single = {scenario: _summary(_train(scenario, str(out / f"single_{scenario}"))) for scenario in PIPELINE}
-    finally:
-        torch.set_num_threads(threads)
+    two, four, single = run_grid(
+        _two_processes,
+        _four_processes,
+        lambda: {scenario: _summary(_train(scenario, str(out / f"single_{scenario}"))) for scenario in PIPELINE},
+        str(out),
+        two_timeout=400,
+    )
     return out, two, four, single
 
 
