@@ -119,6 +119,7 @@ def push_folder_to_hub(
     revision: str | None = None,
     run_as_future: bool = False,
     api: HfApi | None = None,
+    create_repo: bool = True,
 ) -> CommitInfo:
     """
     Create `repo_id` if needed and upload what a user publishes from `folder` ([`files_to_publish`]), with the model
@@ -137,6 +138,7 @@ def push_folder_to_hub(
         revision (`str`, *optional*): the branch to commit to.
         run_as_future (`bool`, *optional*, defaults to `False`): return a `Future` instead of waiting.
         api (`HfApi`, *optional*): the client to use (e.g. the Trainer's); `endpoint` and `token` build one otherwise.
+        create_repo (`bool`, *optional*, defaults to `True`): create the repository first when it does not exist.
 
     Returns:
         `CommitInfo`: the upload commit (a `Future` of it with `run_as_future=True`).
@@ -146,7 +148,8 @@ def push_folder_to_hub(
         raise ValueError(f"folder {folder} does not exist or is not a directory.")
     ensure_model_card(folder, model_card)
     api = api or HfApi(endpoint=endpoint, token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model", token=token)
+    if create_repo:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model", token=token)
     return api.create_commit(
         repo_id=repo_id,
         repo_type="model",

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, recursively_apply
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.modelcard import extract_hyperparameters_from_trainer, parse_log_history
+from transformers.modelcard import extract_hyperparameters_from_trainer
 from transformers.trainer import SCHEDULER_NAME
 from transformers.utils import logging
 from transformers.utils.hub import hf_api
@@ -408,7 +408,6 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         exchanged = sum(p.numel() for p in self.diloco_module.parameters() if p.requires_grad)
         options = self.model_card_kwargs
         results, evaluated = self._card_results()
-        _, training_log, _ = parse_log_history(self.state.log_history)
         tasks = _as_list(options.get("tasks"))
         return {
             "settings": {**self.args.diloco_dict(), "num_workers": topology.num_workers},
@@ -432,7 +431,7 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             "language": options.get("language"),
             "task": tasks[0] if tasks else "text-generation",
             "hyperparameters": extract_hyperparameters_from_trainer(self),
-            "training_log": training_log,
+            "training_log": _training_log(self.state.log_history),
             "tokens_seen": self.state.num_input_tokens_seen * topology.num_workers,
         }
 
@@ -496,6 +495,7 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             revision=revision if revision is not None else self.args.hub_revision,
             run_as_future=not blocking,
             api=hf_api(),
+            create_repo=False,  # init_hf_repo created it
         )
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -672,6 +672,27 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         # batch shapes, so this rank's FLOs times the world size is the total, without talking to other workers.
         self.state.total_flos += self.current_flos * self.args.world_size
         self.current_flos = 0
+
+
+def _training_log(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per evaluation during training, as the Trainer's cards show them (last training loss, epoch, step,
+    the validation metrics)."""
+    rows, training_loss = [], "No log"
+    for entry in log_history:
+        if "train_loss" in entry:  # the summary of a finished train(); later entries are not during training
+            break
+        training_loss = entry.get("loss", training_loss)
+        if "eval_loss" not in entry:
+            continue
+        row = {"Training Loss": training_loss, "Epoch": entry.get("epoch"), "Step": entry.get("step")}
+        for key, value in entry.items():
+            if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
+                name = (
+                    "Validation Loss" if key == "eval_loss" else " ".join(p.capitalize() for p in key.split("_")[1:])
+                )
+                row[name] = value
+        rows.append(row)
+    return rows
 
 
 def _as_list(value: str | list[str] | None) -> list[str]:
