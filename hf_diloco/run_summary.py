@@ -2,15 +2,21 @@
 
 `run_summary` is the line the main process logs when the engine starts (workers x data-parallel ranks x stages, H,
 P, tau, overlap, codec, bytes per outer round, outer rounds). `check_processes_joined` refuses a launch whose
-processes are not joined into one run: a launcher said WORLD_SIZE = N, but Accelerate runs each process alone (on a
-machine without GPUs it joins them only when told to use the CPU), so N one-worker jobs would train on the same data
-and write the same output folder.
+processes are not joined into one run, where N one-worker jobs would train on the same data and write the same
+output folder:
+
+- a launcher said WORLD_SIZE = N, but Accelerate runs each process alone (on a machine without GPUs it joins them
+  only when told to use the CPU);
+- `accelerate launch` was asked for several CPU processes (a MULTI_CPU config, or `--cpu --num_processes N`): without
+  `--mpirun_hostfile` it starts one process, with no rank or world size, however many were asked for.
 """
 
 from __future__ import annotations
 
 import math
 import os
+
+from accelerate.utils import str_to_bool
 
 from .core.diloco import DiLoCo
 
@@ -28,6 +34,14 @@ def check_processes_joined(processes_in_run: int, how_to_fix: str) -> None:
         processes_in_run (`int`): the processes Accelerate (or the Trainer) sees in this run.
         how_to_fix (`str`): what to change in the caller's terms, appended to the message.
     """
+    if _cpu_launch_without_ranks():
+        raise RuntimeError(
+            "accelerate launch was asked for several CPU processes (an accelerate config with distributed_type "
+            "MULTI_CPU, or --cpu with --num_processes > 1) but started only this one: without --mpirun_hostfile it "
+            "runs a single process with no rank, so each such launch would train alone and write the same output "
+            "folder. Start several CPU processes with torchrun --nproc_per_node N, or accelerate launch --multi_gpu "
+            f"--num_processes N; for one process, drop num_processes. {how_to_fix}"
+        )
     launched = launched_processes()
     if launched > 1 and processes_in_run != launched:
         raise RuntimeError(
@@ -35,6 +49,15 @@ def check_processes_joined(processes_in_run: int, how_to_fix: str) -> None:
             f"{processes_in_run}-process job: Accelerate did not join them into one run. Each process would train "
             f"as its own one-worker DiLoCo job on the same data and write the same output folder. {how_to_fix}"
         )
+
+
+def _cpu_launch_without_ranks() -> bool:
+    # Accelerate's single-process launcher sets MASTER_ADDR only when more than one process was asked for.
+    env = os.environ
+    ranked = any(
+        name in env for name in ("WORLD_SIZE", "RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    )
+    return bool(str_to_bool(env.get("ACCELERATE_USE_CPU", "false"))) and "MASTER_ADDR" in env and not ranked
 
 
 def bytes_per_round(engine: DiLoCo) -> int:
