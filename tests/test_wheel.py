@@ -32,7 +32,10 @@ def _run(command: list, cwd: Path, env: dict | None = None, timeout: int = 300) 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    _run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)], out)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
+        out,
+    )
     [built] = out.glob("hf_diloco-*.whl")
     return built
 
@@ -43,11 +46,16 @@ def installed(wheel, tmp_path_factory) -> Path:
     venv = tmp_path_factory.mktemp("venv")
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], venv)
     python = venv / "bin" / "python"
-    site = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], venv).stdout.strip())
+    site = Path(
+        _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], venv).stdout.strip()
+    )
     # A plain path line: this virtualenv's packages become importable, but its editable hf_diloco finder (a .pth
     # file of that folder) does not run, so the wheel's hf_diloco is the only one.
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)], venv)
+    _run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        venv,
+    )
     return venv
 
 
@@ -62,7 +70,11 @@ def test_wheel_holds_the_command_configs_and_templates(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("tiny_diloco", "tiny_ddp", "streaming_diloco", "diloco_x"):
         assert f"hf_diloco/configs/{name}.yaml" in names
-    assert {"hf_diloco/model_cards/diloco_model_card.md", "hf_diloco/cli/pretrain.py", "hf_diloco/__main__.py"} <= names
+    assert {
+        "hf_diloco/model_cards/diloco_model_card.md",
+        "hf_diloco/cli/pretrain.py",
+        "hf_diloco/__main__.py",
+    } <= names
     assert "hf_diloco/metrics/perplexity/perplexity.py" in names
     [entry_points] = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
     assert "hf-diloco = hf_diloco.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -71,10 +83,14 @@ def test_wheel_holds_the_command_configs_and_templates(wheel):
 @pytest.mark.timeout(600)
 def test_installed_command_runs_the_main_job_outside_the_checkout(installed, tmp_path):
     command, env = installed / "bin" / "hf-diloco", _clean_env()
-    where = _run([str(installed / "bin" / "python"), "-c", "import hf_diloco; print(hf_diloco.__file__)"], tmp_path, env)
+    where = _run(
+        [str(installed / "bin" / "python"), "-c", "import hf_diloco; print(hf_diloco.__file__)"], tmp_path, env
+    )
     assert Path(where.stdout.strip()).is_relative_to(installed), where.stdout
     assert "pretrain" in _run([str(command), "--help"], tmp_path, env).stdout
-    result = _run([str(command), "pretrain", "--config", "tiny_diloco", "--output_dir", "out", *SMALL_RUN], tmp_path, env)
+    result = _run(
+        [str(command), "pretrain", "--config", "tiny_diloco", "--output_dir", "out", *SMALL_RUN], tmp_path, env
+    )
     assert "DiLoCo run: 1 worker" in result.stderr
     results = json.loads((tmp_path / "out" / "all_results.json").read_text())
     assert results["eval_loss"] > 0 and (tmp_path / "out" / "model.safetensors").is_file()
