@@ -95,6 +95,8 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None) -> d
     metrics = {**train_result.metrics, **eval_metrics}
     trainer.log_metrics("all", metrics)
     trainer.save_metrics("all", metrics)
+    if args.push_to_hub:
+        trainer.push_to_hub()
     return metrics
 
 

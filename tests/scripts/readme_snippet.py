@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.engine_common import tiny_llama
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MARKER = "<!-- accelerate-snippet -->"
@@ -37,24 +38,14 @@ class TokenRows(Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    return LlamaForCausalLM(config)
-
-
 def main() -> None:
     out, num_rows = Path(sys.argv[1]), int(sys.argv[2])
     train_dataset = TokenRows(num_rows, seed=1)
-    namespace = {"model": tiny_llama(), "train_dataset": train_dataset, "eval_dataset": TokenRows(32, seed=2)}
+    namespace = {
+        "model": tiny_llama(VOCAB, layers=2, max_positions=SEQ),
+        "train_dataset": train_dataset,
+        "eval_dataset": TokenRows(32, seed=2),
+    }
     exec(compile(readme_snippet(), f"{README}:accelerate-snippet", "exec"), namespace)
     plugin, accelerator = namespace["plugin"], namespace["accelerator"]
     result = {
