@@ -143,6 +143,8 @@ def test_pretrain_two_processes_and_command_line_overrides(two_processes):
     assert during and during[-1] != final
     summary = "DiLoCo run: 2 workers x 1 data-parallel rank x 1 pipeline stage = 2 processes; H=4, P=2, tau=1"
     assert result.stderr.count(summary) == 1, "one start-up line, on the main process only"
+    # Progress bars on the main process only: one tokenization bar per split, not one per split and rank.
+    assert result.stderr.count("Tokenizing:   0%") == 2
 
 
 @pytest.mark.timeout(480)
