@@ -11,9 +11,13 @@ $(BIN)/activate:
 	$(BIN)/pip install --upgrade pip
 	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e ".[dev,plots,trl]"
 
-setup: $(BIN)/activate
+# Reinstalled whenever pyproject.toml changes (new dependencies, the hf-diloco command).
+$(VENV)/.installed: pyproject.toml $(BIN)/activate
+	$(BIN)/pip install -e ".[dev,plots,trl]"
+	touch $@
+
+setup: $(VENV)/.installed
 
 # One and two processes write separate folders, so either can be re-run after the other.
 run: setup
