@@ -56,7 +56,6 @@ logger = logging.get_logger(__name__)
 
 DILOCO_STATE_NAME = "diloco_state_rank{rank}.pt"
 ALL_RESULTS_NAME = "all_results.json"
-CARD_ARGUMENTS = ("language", "license", "tags", "model_name", "finetuned_from", "tasks", "dataset_tags", "dataset")
 
 
 @dataclass(repr=False)
@@ -489,7 +488,6 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             self.args.output_dir,
             self.hub_model_id,
             token=token,
-            private=bool(private if private is not None else self.args.hub_private_repo),
             commit_message=commit_message,
             include_logs=include_logs,
             revision=revision if revision is not None else self.args.hub_revision,
@@ -584,9 +582,17 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         return recursively_apply(self._worker_gather_tensor, data, error_on_other_type=True)
 
     def _worker_gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        if use_gather_object or not isinstance(input_data, (torch.Tensor, dict, list, tuple)):
-            raise TypeError("DiLoCoTrainer keeps per-step gathers inside the worker and gathers tensors only.")
-        return self._worker_gather(input_data)
+        tensors = isinstance(input_data, (torch.Tensor, dict, list, tuple)) and not use_gather_object
+        return self._worker_gather(input_data) if tensors else self._worker_gather_objects(input_data)
+
+    def _worker_gather_objects(self, value: Any) -> list:
+        """Like `accelerator.gather_object`, over the worker's processes: their values (lists concatenated)."""
+        group = self._get_topology().data_parallel_group
+        parts = [value]
+        if group is not None:
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, value, group=group)
+        return [item for part in parts for item in (part if isinstance(part, list) else [part])]
 
     def _worker_gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
