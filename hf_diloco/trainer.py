@@ -582,8 +582,9 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         return recursively_apply(self._worker_gather_tensor, data, error_on_other_type=True)
 
     def _worker_gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        tensors = isinstance(input_data, (torch.Tensor, dict, list, tuple)) and not use_gather_object
-        return self._worker_gather(input_data) if tensors else self._worker_gather_objects(input_data)
+        if use_gather_object or not _only_tensors(input_data):
+            return self._worker_gather_objects(input_data)
+        return self._worker_gather(input_data)
 
     def _worker_gather_objects(self, value: Any) -> list:
         """Like `accelerator.gather_object`, over the worker's processes: their values (lists concatenated)."""
@@ -678,6 +679,14 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         # batch shapes, so this rank's FLOs times the world size is the total, without talking to other workers.
         self.state.total_flos += self.current_flos * self.args.world_size
         self.current_flos = 0
+
+
+def _only_tensors(data: Any) -> bool:
+    try:
+        recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
 
 
 def _training_log(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
