@@ -8,6 +8,7 @@ valid key, so a typo never silently falls back to a default.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping
@@ -154,7 +155,7 @@ def apply_overrides(config: LoadedConfig, overrides: Mapping[str, Any]) -> Loade
     A copy of `config` with command-line values set: `trainer`, `auto_resume`, and dotted keys of the `model`,
     `tokenizer` and `data` sections (`data.block_size`, `model.config.hidden_size`, ...). The result is checked.
     """
-    values = yaml.safe_load(yaml.safe_dump(config.values)) or {}
+    values = copy.deepcopy(config.values)
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         node = values
