@@ -92,7 +92,7 @@ def check_config(config: LoadedConfig) -> None:
         raise ValueError(
             f"{source}: expected a mapping with the keys {list(TOP_LEVEL_KEYS)}, got {type(values).__name__}."
         )
-    check_keys(values, TOP_LEVEL_KEYS, "top level", source)
+    _check_keys(values, TOP_LEVEL_KEYS, "top level", source)
     if config.trainer not in TRAINERS:
         raise ValueError(f"{source}: trainer must be one of {list(TRAINERS)}, got {config.trainer!r}.")
     auto_resume = values.get("auto_resume", True)
@@ -108,12 +108,12 @@ def check_config(config: LoadedConfig) -> None:
             continue
         if not isinstance(content, dict):
             raise ValueError(f"{source}: the {section}: section must be a mapping of keys to values, got {content!r}.")
-        check_keys(content, valid[section], f"{section}:", source, other_sections=valid)
+        _check_keys(content, valid[section], f"{section}:", source, other_sections=valid)
     if config.trainer == "ddp" and values.get("diloco"):
         raise ValueError(f"{source}: a diloco: section needs trainer: diloco (this config has trainer: ddp).")
 
 
-def check_keys(
+def _check_keys(
     mapping: Mapping[str, Any],
     valid: Iterable[str],
     section: str,
