@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-CONFIG ?= configs/tiny_diloco.yaml
+CONFIG ?= tiny_diloco
 
 .PHONY: setup run run-multi test lint bench clean
 
@@ -11,15 +11,22 @@ $(BIN)/activate:
 	$(BIN)/pip install --upgrade pip
 	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e ".[dev,plots]"
 
-setup: $(BIN)/activate
+# Reinstalled whenever pyproject.toml changes (new dependencies, the hf-diloco command).
+$(VENV)/.installed: pyproject.toml $(BIN)/activate
+	$(BIN)/pip install -e ".[dev,plots,trl]"
+	touch $@
 
+setup: $(VENV)/.installed
+
+# One and two processes write separate folders, so either can be re-run after the other.
 run: setup
-	$(BIN)/accelerate launch --cpu --num_processes 1 scripts/pretrain.py --config $(CONFIG)
+	$(BIN)/accelerate launch --cpu --num_processes 1 scripts/pretrain.py --config $(CONFIG) \
+		--output_dir outputs/$(notdir $(basename $(CONFIG)))
 
 run-multi: setup
-	$(BIN)/torchrun --nproc_per_node 2 scripts/pretrain.py --config $(CONFIG)
+	$(BIN)/torchrun --nproc_per_node 2 scripts/pretrain.py --config $(CONFIG) --use_cpu \
+		--output_dir outputs/$(notdir $(basename $(CONFIG)))_2proc
 
 test: setup
 	$(BIN)/python -m pytest tests

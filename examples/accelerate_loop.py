@@ -4,16 +4,16 @@ Every process is one DiLoCo worker by default; the DiLoCo settings come from `DI
 `--diloco_config file.yaml`), so the launcher configures them:
 
     DILOCO_INNER_STEPS=10 torchrun --nproc_per_node 2 examples/accelerate_loop.py --use_cpu
-    DILOCO_INNER_STEPS=10 accelerate launch --multi_gpu --num_processes 2 --cpu examples/accelerate_loop.py --use_cpu
+    DILOCO_INNER_STEPS=10 accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py --use_cpu
 
-(`accelerate launch --cpu` alone starts a single process.) The model is a tiny random Llama and the data random
-token ids, so it runs anywhere without downloads; replace both with yours.
+(`accelerate launch --cpu --num_processes 2` starts a single process, which the plugin refuses.) The model is a tiny
+random Llama and the data random token ids, so it runs anywhere without downloads; replace both with yours. Needs
+hf_diloco installed (`make setup` installs the checkout).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -21,10 +21,8 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-from hf_diloco import DiLoCoPlugin  # noqa: E402
-from hf_diloco.model_card import write_model_card  # noqa: E402
+from hf_diloco import DiLoCoPlugin
+from hf_diloco.model_card import write_model_card
 
 VOCAB, SEQ = 128, 16
 
@@ -70,10 +68,10 @@ def train(args: argparse.Namespace) -> DiLoCoPlugin:
     plugin = DiLoCoPlugin(yaml_file=args.diloco_config)
     model = build_model(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate)
-    # Not shuffled: a shuffled loader needs DataLoaderConfiguration(use_seedable_sampler=True), or Accelerate
-    # synchronizes its random state across all workers at every epoch.
+    # Unshuffled, so tests/test_plugin.py can replay which rows each worker reads; shuffle=True works as well (the
+    # plugin shuffles every worker's loader alike, without a collective at each epoch).
     loader = DataLoader(random_token_rows(args.num_rows), batch_size=args.batch_size)
-    model, optimizer, loader = plugin.prepare(accelerator, model, optimizer, loader)
+    model, optimizer, loader = plugin.prepare(accelerator, model, optimizer, loader, max_steps=args.max_steps)
 
     if args.resume_from:
         accelerator.load_state(args.resume_from)  # restores this rank's DiLoCo state too

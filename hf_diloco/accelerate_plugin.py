@@ -7,12 +7,13 @@ from hf_diloco import DiLoCoPlugin
 accelerator = Accelerator()
 plugin = DiLoCoPlugin(inner_steps=100)  # fields not given come from DILOCO_* variables, then the defaults
 model, optimizer, loader, scheduler = plugin.prepare(accelerator, model, optimizer, loader, scheduler)
-for batch in loader:
+for step, batch in enumerate(loader, start=1):
     with accelerator.accumulate(model):
         accelerator.backward(model(**batch).loss)
         optimizer.step()  # the DiLoCo step runs here after every real inner optimizer step
         scheduler.step()
         optimizer.zero_grad()
+    accelerator.log(plugin.metrics(), step=step)  # diloco/* scalars, local values (no collective)
 plugin.close()  # apply what is in flight; the model now holds the global parameters theta_g
 ```
 
@@ -24,6 +25,8 @@ What `prepare` does (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming 
 - The prepared optimizer's `step()` also advances the DiLoCo engine, once per real inner step: not on the
   micro-batches of gradient accumulation (`accelerator.sync_gradients` is False there) and not when a GradScaler
   skipped the step (`accelerator.optimizer_step_was_skipped`).
+- A shuffled dataloader gets Accelerate's seedable sampler (with one seed, agreed at start-up, on every process),
+  so its shuffle needs no collective at each epoch and every worker still reads its own shard.
 - `accelerator.save_state(dir)` also writes `diloco_state_rank{rank}.pt` per rank (theta_g, outer optimizer, this
   rank's parameters and inner optimizer, exchanges in flight) and `accelerator.load_state(dir)` restores it after
   Accelerate's own files, so training continues bitwise. Resuming needs the same number of processes.
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import typing
 from collections.abc import Mapping
@@ -46,10 +50,13 @@ from .config import DiLoCoConfig
 from .core.diloco import DiLoCo
 from .core.topology import Topology
 from .monitoring import ComputeUtilization
+from .run_summary import check_processes_joined, run_summary
 
 ENV_PREFIX = "DILOCO_"
 STATE_NAME = "diloco_state_rank{rank}.pt"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -125,7 +132,14 @@ class DiLoCoPlugin(DiLoCoConfig):
 
     # ------------------------------------------------------------------------------------------------ preparing
 
-    def prepare(self, accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any) -> tuple:
+    def prepare(
+        self,
+        accelerator: Any,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *others: Any,
+        max_steps: int | None = None,
+    ) -> tuple:
         """
         Prepare a model and its inner optimizer (and, like `accelerator.prepare`, any dataloaders and schedulers) for
         DiLoCo training.
@@ -134,11 +148,22 @@ class DiLoCoPlugin(DiLoCoConfig):
             accelerator (`accelerate.Accelerator`): the loop's accelerator (it sets up the process group).
             model (`nn.Module`): the model, not yet prepared.
             optimizer (`torch.optim.Optimizer`): the inner optimizer over the model's parameters, not yet prepared.
-            *others: dataloaders, schedulers, ... passed on to `accelerator.prepare`.
+            *others: dataloaders, schedulers, ... passed on to `accelerator.prepare`. Shuffled dataloaders get the
+                seedable sampler (see the module docstring).
+            max_steps (`int`, *optional*): inner steps the loop will run, for the start-up summary (default: one
+                epoch of the first dataloader).
 
         Returns:
             `tuple`: the prepared `(model, optimizer, *others)`, in the order given.
+
+        Raises:
+            `RuntimeError`: the launcher started several processes that Accelerate did not join into one run.
         """
+        check_processes_joined(
+            accelerator.num_processes,
+            "Create the Accelerator with cpu=True (or set ACCELERATE_USE_CPU=1) on a machine without GPUs, or launch "
+            "with accelerate launch --multi_gpu --cpu ... / torchrun; to train one worker, launch one process.",
+        )
         if self.engine is not None:
             raise RuntimeError("This DiLoCoPlugin has already prepared a model; create one plugin per model.")
         if self.pipeline_stages != 1:
@@ -154,12 +179,15 @@ class DiLoCoPlugin(DiLoCoConfig):
         )
         prepared_model = self._prepare_model(accelerator, model, topology)
         prepared_optimizer = accelerator.prepare_optimizer(optimizer)
-        prepared_others = accelerator.prepare(*others) if others else ()
+        with _seedable_shuffling(accelerator, others):
+            prepared_others = accelerator.prepare(*others) if others else ()
         prepared_others = prepared_others if isinstance(prepared_others, tuple) else (prepared_others,)
         for obj in prepared_others:
             _check_loader(obj)
         unwrapped = accelerator.unwrap_model(prepared_model, keep_torch_compile=False)
         self.engine = DiLoCo(unwrapped, prepared_optimizer.optimizer, self.diloco_config(), topology=topology)
+        if accelerator.is_main_process:
+            logger.warning(run_summary(self.engine, *_planned_steps(max_steps, accelerator, prepared_others)))
         self._utilization = ComputeUtilization(lambda: self.engine.stats["sync_wait_seconds"])
         self._hook_training_step(unwrapped, prepared_optimizer)
         self._hook_checkpointing(accelerator)
@@ -342,6 +370,46 @@ def _values_from_yaml(path: str | Path | None) -> dict[str, Any]:
     data = data.get("diloco", data)
     names = {f.name for f in dataclasses.fields(DiLoCoConfig)}
     return {k: v for k, v in data.items() if k in names}
+
+
+def _planned_steps(max_steps: int | None, accelerator: Any, prepared: tuple) -> tuple[int, str]:
+    if max_steps is not None:
+        return max_steps, "steps"
+    loaders = [obj for obj in prepared if isinstance(obj, torch.utils.data.DataLoader) and hasattr(obj, "__len__")]
+    if not loaders:
+        return 0, "steps (pass max_steps to prepare for the count)"
+    return len(loaders[0]) // accelerator.gradient_accumulation_steps, "steps (one epoch of the first dataloader)"
+
+
+@contextlib.contextmanager
+def _seedable_shuffling(accelerator: Any, objects: tuple) -> typing.Iterator[None]:
+    """
+    While `objects` are prepared: the seedable sampler for shuffled dataloaders, seeded alike on every process.
+
+    Without it Accelerate would broadcast the sampler's random state across all processes at every epoch, a
+    collective across workers. The seed is rank 0's (one broadcast at start-up), so processes seeded differently
+    still shuffle alike and read disjoint shards.
+    """
+    config = accelerator.dataloader_config
+    shuffled = any(isinstance(getattr(obj, "sampler", None), torch.utils.data.RandomSampler) for obj in objects)
+    if not shuffled or config.use_seedable_sampler:
+        yield
+        return
+    saved = config.use_seedable_sampler, config.data_seed
+    config.use_seedable_sampler = True
+    if config.data_seed is None:
+        config.data_seed = _seed_of_rank_zero(accelerator)
+    try:
+        yield
+    finally:
+        config.use_seedable_sampler, config.data_seed = saved
+
+
+def _seed_of_rank_zero(accelerator: Any) -> int:
+    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        torch.distributed.broadcast(seed, src=0)
+    return int(seed.item())
 
 
 def _check_loader(obj: Any) -> None:

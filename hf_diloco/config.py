@@ -135,7 +135,7 @@ class DiLoCoConfig:
         default=False,
         metadata={
             "help": "Deflate (zlib level 1) each encoded payload before it crosses workers and send it when that is "
-            "shorter. Lossless: the same bits arrive. fp4 pseudo-gradients shrink ~15%; deflate runs ~25 MB/s per "
+            "shorter. Lossless: the same bits arrive. fp4 pseudo-gradients shrink by about 15 percent; deflate runs ~25 MB/s per "
             "core, in up to 8 threads."
         },
     )

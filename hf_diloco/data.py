@@ -39,6 +39,8 @@ __all__ = [
     "check_enough_blocks",
     "check_vocab",
     "load_text_dataset",
+    "model_positions",
+    "set_model_max_length",
     "split_files",
     "stdlib_corpus_files",
     "tokenize_and_group",
@@ -70,6 +72,8 @@ DATA_SPEC_KEYS = frozenset(
     }
 )
 TOKENIZER_SPEC_KEYS = frozenset({"path", "vocab_size", "min_frequency", "max_train_samples"})
+# Names model configs give the longest sequence their position embeddings cover, in order of preference.
+POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
@@ -354,6 +358,30 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConf
         `ValueError`: when `len(tokenizer) > model_config.vocab_size`.
     """
     check_vocab_size(len(tokenizer), model_config.vocab_size)
+
+
+def model_positions(model_config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's positions cover (`max_position_embeddings`, `n_positions`, ...), if stated."""
+    for name in POSITION_ATTRIBUTES:
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def set_model_max_length(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig) -> None:
+    """
+    Set `tokenizer.model_max_length` to the model's positions, so the saved tokenizer warns about (and truncates to)
+    inputs the model cannot take, instead of keeping the library's "no limit" placeholder.
+
+    Args:
+        tokenizer (`PreTrainedTokenizerBase`): the tokenizer to update (call it after packing the training data,
+            whose documents are longer than the model's positions before they are cut into blocks).
+        model_config (`PretrainedConfig`): the model's config; left as it is when it states no positions.
+    """
+    positions = model_positions(model_config)
+    if positions is not None:
+        tokenizer.model_max_length = positions
 
 
 def _check_keys(spec: Mapping[str, Any], allowed: frozenset[str], section: str) -> None:

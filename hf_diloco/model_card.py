@@ -9,13 +9,14 @@ sent; `write_model_card` saves it as the folder's `README.md`. The YAML front ma
 from __future__ import annotations
 
 import math
+import re
 import string
 from collections.abc import Mapping, Sequence
-from importlib import resources
+from importlib import metadata, resources
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 TEMPLATE_NAME = "diloco_model_card.md"
 DILOCO_TAG = "diloco"
@@ -31,6 +32,8 @@ REQUIRED_SETTINGS = (
     "data_parallel_per_worker",
 )
 NOT_RECORDED = "not recorded"
+_FROM_PRETRAINED = re.compile(r'\.from_pretrained\("[^"\n]*"\)')
+_TIMING_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second")
 
 
 def template_text() -> str:
@@ -83,6 +86,14 @@ def render_model_card(
     repo_id: str | None = None,
     extra_tags: Sequence[str] = (),
     datasets: Sequence[str] | None = None,
+    dataset_name: str | None = None,
+    license: str | None = None,
+    language: str | Sequence[str] | None = None,
+    task: str = "text-generation",
+    evaluated: str = "after training",
+    hyperparameters: Mapping[str, Any] | None = None,
+    training_log: Sequence[Mapping[str, Any]] | None = None,
+    tokens_seen: int | None = None,
 ) -> str:
     """
     Render the model card of a model trained with DiLoCo.
@@ -96,11 +107,24 @@ def render_model_card(
             What the run measured, see [`communication_summary`]; may also hold `num_workers`.
         data_description (`str`): what the model was trained on, in a sentence or a paragraph (Markdown).
         base_model (`str`, *optional*): the checkpoint training started from; `None` for a random initialisation.
-        training_results (`Mapping[str, Any]`, *optional*): final metrics, e.g. `{"eval_loss": 3.1}`.
+        training_results (`Mapping[str, Any]`, *optional*):
+            Metrics of an evaluation of exactly the weights the card describes, e.g. `{"eval_loss": 3.1,
+            "eval_perplexity": 22.2}`; they fill the results table and the `model-index` of the front matter.
         model_name (`str`, *optional*): title of the card; defaults to the last part of `repo_id`.
-        repo_id (`str`, *optional*): Hub id shown in the usage snippet.
+        repo_id (`str`, *optional*): Hub id or local folder shown in the usage snippet.
         extra_tags (`Sequence[str]`, *optional*): tags added after the DiLoCo ones.
         datasets (`Sequence[str]`, *optional*): Hub dataset ids for the front matter.
+        dataset_name (`str`, *optional*): the evaluation data's name in `model-index` (default: the first of
+            `datasets`, else "training data").
+        license (`str`, *optional*): license identifier for the front matter (e.g. `apache-2.0`).
+        language (`str` or `Sequence[str]`, *optional*): language code(s) for the front matter.
+        task (`str`, *optional*, defaults to `"text-generation"`): the task of `model-index` and the pipeline tag.
+        evaluated (`str`, *optional*, defaults to `"after training"`): when `training_results` were measured.
+        hyperparameters (`Mapping[str, Any]`, *optional*): the inner training hyperparameters, listed as the
+            Trainer's cards list them.
+        training_log (`Sequence[Mapping[str, Any]]`, *optional*): one row per evaluation during training (training
+            loss, epoch, step, validation metrics), as the Trainer's cards show them.
+        tokens_seen (`int`, *optional*): tokens trained on, all workers together.
 
     Returns:
         `str`: the card, YAML front matter included.
@@ -116,10 +140,21 @@ def render_model_card(
         raise ValueError("communication must contain bytes_sent (the run's cross-worker bytes per process).")
     summary = communication_summary(communication, num_workers)
     if model_name is None:
-        model_name = repo_id.split("/")[-1] if repo_id else "DiLoCo model"
-
+        model_name = repo_id.rstrip("/").split("/")[-1] if repo_id else "DiLoCo model"
+    results = _evaluation_metrics(training_results)
+    metadata = _card_data(
+        settings,
+        model_name=model_name,
+        base_model=base_model,
+        extra_tags=extra_tags,
+        datasets=datasets,
+        license=license,
+        language=language,
+        task=task,
+        eval_results=_eval_results(results, task, dataset_name or (datasets[0] if datasets else None)),
+    )
     values = {
-        "front_matter": _front_matter(settings, base_model, extra_tags, datasets),
+        "front_matter": metadata.to_yaml(),
         "model_name": model_name,
         "algorithm": _algorithm_name(settings),
         "trained_from": f"initialised from `{base_model}`" if base_model else "trained from a random initialisation",
@@ -136,6 +171,7 @@ def render_model_card(
         "data_parallel_per_worker": settings["data_parallel_per_worker"],
         "world_size": num_workers * int(settings["pipeline_stages"]) * int(settings["data_parallel_per_worker"]),
         "data_description": data_description.strip() or NOT_RECORDED,
+        "tokens_seen": _tokens(tokens_seen),
         "steps": _optional_int(communication.get("steps")),
         "outer_steps": _optional_int(communication.get("outer_steps")),
         "num_parameters": _optional_int(communication.get("num_parameters")),
@@ -144,7 +180,10 @@ def render_model_card(
         "bytes_ratio": _ratio(summary["ratio"], num_workers, summary["ddp_bytes"]),
         "reduction": f"{summary['reduction']:,.1f}x" if summary["reduction"] else "n/a",
         "sync_wait": _seconds(communication.get("sync_wait_seconds")),
-        "training_results": _results_table(training_results),
+        "evaluation": _evaluation_section(results, evaluated),
+        "hyperparameters": _bullet_list(hyperparameters),
+        "training_log": _markdown_table(training_log) or "No evaluation during training.",
+        "framework_versions": _bullet_list(framework_versions()),
         "repo_hint": repo_id or "path/to/this/model",
     }
     return string.Template(template_text()).substitute(values)
@@ -167,23 +206,96 @@ def has_diloco_tag(readme: str | Path) -> bool:
     return DILOCO_TAG in tags
 
 
-def _front_matter(
-    settings: Mapping[str, Any], base_model: str | None, extra_tags: Sequence[str], datasets: Sequence[str] | None
-) -> str:
+def _card_data(
+    settings: Mapping[str, Any],
+    *,
+    model_name: str,
+    base_model: str | None,
+    extra_tags: Sequence[str],
+    datasets: Sequence[str] | None,
+    license: str | None,
+    language: str | Sequence[str] | None,
+    task: str,
+    eval_results: list[EvalResult] | None,
+) -> ModelCardData:
     tags = [DILOCO_TAG, "hf_diloco"]
     if int(settings["num_fragments"]) > 1 or int(settings["sync_delay"]) > 0:
         tags.append("streaming-diloco")
     if settings["overlap"] in ("delayed", "eager"):
         tags.append(f"diloco-{settings['overlap']}-overlap")
     tags += [tag for tag in extra_tags if tag not in tags]
-    data = ModelCardData(
+    return ModelCardData(
+        model_name=model_name if eval_results else None,
+        eval_results=eval_results,
+        language=[language] if isinstance(language, str) else (list(language) if language else None),
+        license=license,
         library_name="transformers",
-        pipeline_tag="text-generation",
+        pipeline_tag=task,
         tags=tags,
         base_model=base_model,
         datasets=list(datasets) if datasets else None,
     )
-    return data.to_yaml()
+
+
+def _evaluation_metrics(results: Mapping[str, Any] | None) -> dict[str, float]:
+    """The numeric evaluation metrics of `results`, without the timing entries."""
+    return {
+        key: value
+        for key, value in (results or {}).items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not key.endswith(_TIMING_SUFFIXES)
+    }
+
+
+def _eval_results(results: Mapping[str, float], task: str, dataset_name: str | None) -> list[EvalResult] | None:
+    if not results:
+        return None
+    name = dataset_name or "training data"
+    return [
+        EvalResult(
+            task_type=task,
+            dataset_type=name,
+            dataset_name=name,
+            metric_type=_metric_type(key),
+            metric_value=value,
+            metric_name=key,
+        )
+        for key, value in results.items()
+    ]
+
+
+def _metric_type(key: str) -> str:
+    return key.split("_", 1)[1] if key.startswith("eval_") else key
+
+
+def _evaluation_section(results: Mapping[str, float], evaluated: str) -> str:
+    if not results:
+        return (
+            "Not evaluated after the last outer sync of training. An evaluation taken before the end of training "
+            "describes other weights (the last sync changes them); evaluate the saved model, e.g. with "
+            "`trainer.evaluate()`, to fill this section."
+        )
+    rows = [f"| {key} | {_number(value)} |" for key, value in results.items()]
+    header = f"Evaluation of the weights in this folder, {evaluated}:"
+    return "\n".join([header, "", "| Metric | Value |", "| --- | --- |", *rows])
+
+
+def framework_versions() -> dict[str, str]:
+    """Installed versions of the libraries a run depends on, by display name."""
+    names = {
+        "hf_diloco": "hf_diloco",
+        "Transformers": "transformers",
+        "PyTorch": "torch",
+        "Accelerate": "accelerate",
+        "Datasets": "datasets",
+        "Tokenizers": "tokenizers",
+    }
+    versions = {}
+    for label, distribution in names.items():
+        try:
+            versions[label] = metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
 
 
 def _algorithm_name(settings: Mapping[str, Any]) -> str:
@@ -226,11 +338,25 @@ def _compression(settings: Mapping[str, Any]) -> str:
     return ", ".join([f"{codec} ({', '.join(details)})" if details else codec, *extras])
 
 
-def _results_table(results: Mapping[str, Any] | None) -> str:
-    if not results:
-        return "Not recorded."
-    rows = [f"| {key} | {_number(value)} |" for key, value in results.items()]
-    return "\n".join(["| Metric | Value |", "| --- | --- |", *rows])
+def _markdown_table(rows: Sequence[Mapping[str, Any]] | None) -> str:
+    if not rows:
+        return ""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "| " + " | ".join("---" for _ in columns) + " |"]
+    lines += ["| " + " | ".join(_number(row.get(column, "")) for column in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _bullet_list(values: Mapping[str, Any] | None) -> str:
+    if not values:
+        return NOT_RECORDED.capitalize() + "."
+    return "\n".join(f"- {key}: {_number(value)}" for key, value in values.items())
+
+
+def _tokens(value: int | None) -> str:
+    if not value:
+        return "not counted (set `include_num_input_tokens_seen` to count them)"
+    return f"{int(value):,}"
 
 
 def _number(value: Any) -> str:
@@ -267,3 +393,8 @@ def _ratio(ratio: float | None, num_workers: int, ddp_bytes: float | None) -> st
 
 def _seconds(value: Any) -> str:
     return NOT_RECORDED if value is None else f"{float(value):.2f} s"
+
+
+def point_card_at_repo(card_text: str, repo_id: str) -> str:
+    """The card with its usage snippet loading from `repo_id` (the Hub repository it is pushed to)."""
+    return _FROM_PRETRAINED.sub(f'.from_pretrained("{repo_id}")', card_text)

@@ -23,31 +23,39 @@ which is identical on every rank) and saving when the best metric is tracked (th
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, recursively_apply
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.modelcard import extract_hyperparameters_from_trainer
+from transformers.trainer import SCHEDULER_NAME
 from transformers.utils import logging
+from transformers.utils.hub import hf_api
 
 from .checkpointing import last_complete_checkpoint, verify_checkpoint, write_manifest
 from .config import DiLoCoConfig
 from .core.diloco import DiLoCo
 from .core.topology import Topology
+from .hub import push_folder_to_hub
 from .launch import init_process_group_for_restart
-from .model_card import write_model_card
+from .model_card import has_diloco_tag, write_model_card
 from .monitoring import ComputeUtilization
 from .pipeline_trainer import PipelineTrainerMixin
+from .run_summary import check_processes_joined, run_summary
 
 logger = logging.get_logger(__name__)
 
 DILOCO_STATE_NAME = "diloco_state_rank{rank}.pt"
+ALL_RESULTS_NAME = "all_results.json"
 
 
 @dataclass(repr=False)
@@ -145,8 +153,16 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
           `train()`, `trainer.model` holds theta_g.
         - Checkpoints hold, besides the Trainer's files, `diloco_state_rank{rank}.pt` per rank: the engine state
           (theta_g, outer optimizer, this rank's local parameters and inner optimizer, exchanges in flight), buffers
-          and grad scaler. Workers differ in all the local parts, and the Trainer's own `optimizer.pt` is rank 0's.
+          and grad scaler. Workers differ in all the local parts, so the inner optimizer and grad scaler are stored
+          there only (no `optimizer.pt` / `scaler.pt`); `scheduler.pt` holds the LR schedule, the same on every rank.
           Resuming needs the same number of processes.
+        - The model card (`README.md` of every saved folder) quotes only evaluations of the weights in that folder:
+          after `train()`, those of `evaluate()` calls on the final model, and `save_metrics` keeps it equal to
+          `all_results.json`. Arguments of `create_model_card` (and `push_to_hub`) are kept in `model_card_kwargs`
+          for every later card.
+        - Composes with other `Trainer` subclasses (e.g. TRL's `SFTTrainer`) in either base-class order: the loss
+          scale and the per-step gathers stay inside the worker whatever `compute_loss` / `training_step` the class
+          ends with.
         - Logged `loss` is the worker's loss (averaged over its data-parallel processes), `num_input_tokens_seen`
           counts the worker's tokens, and `diloco/*` metrics come from the engine.
         - With `pipeline_stages` > 1 each rank trains, syncs and keeps the state of its own pipeline stage only
@@ -164,14 +180,21 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             )
         self.diloco: DiLoCo | None = None
         self.diloco_topology: Topology | None = None
+        self.model_card_kwargs: dict[str, Any] = {}
         self._utilization: ComputeUtilization | None = None
         self._model_is_global = False  # after train(): the model holds theta_g (or the best checkpoint's)
+        self._final_metrics: dict[str, float] = {}  # evaluations of the model as train() left it
         super().__init__(model, args, *pos, **kwargs)
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError(
                 "DiLoCoTrainer needs full parameters on every process: DeepSpeed and FSDP are not supported."
             )
         self.add_callback(_DiLoCoStepCallback(self))
+        # Instance attributes wrap whichever compute_loss / training_step the class hierarchy ends with, so a class
+        # that also derives from another Trainer subclass (TRL's SFTTrainer, ...) keeps the worker's loss scale and
+        # per-step gathers in either base-class order.
+        self.compute_loss = self._with_worker_loss_scale(self.compute_loss)
+        self.training_step = self._with_collectives_in_worker(self.training_step)
 
     # ---- process groups and model wrapping ----
 
@@ -186,6 +209,11 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
     def _get_topology(self) -> Topology:
         if self.diloco_topology is None:
             _ = self.args.device  # initializes the default process group when launched distributed
+            check_processes_joined(
+                self.args.world_size,
+                "On a machine without GPUs pass --use_cpu (DiLoCoTrainingArguments(use_cpu=True)) or set "
+                "ACCELERATE_USE_CPU=1; to train one worker, launch one process.",
+            )
             self.diloco_topology = Topology.from_default_group(
                 pipeline_stages=self.args.pipeline_stages,
                 data_parallel_per_worker=self.args.data_parallel_per_worker,
@@ -260,11 +288,14 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             topology=self._get_topology(),
             num_blocks=self.diloco_num_blocks,
         )
+        if self.is_world_process_zero():
+            logger.warning(run_summary(self.diloco, max_steps))
         warning = config.short_run_warning(max_steps)
         if warning and self.args.should_log:
             logger.warning(warning)
         self._utilization = ComputeUtilization(lambda: self.diloco.stats["sync_wait_seconds"])
         self._model_is_global = False
+        self._final_metrics = {}
         if resume_from_checkpoint is not None:
             self._load_diloco_state(resume_from_checkpoint)
         return model, train_dataloader
@@ -297,7 +328,10 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
 
     def evaluate(self, *args, **kwargs) -> dict[str, float]:
         with self._global_weights():
-            return super().evaluate(*args, **kwargs)
+            metrics = super().evaluate(*args, **kwargs)
+        if self._model_is_global:
+            self._final_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+        return metrics
 
     def predict(self, *args, **kwargs):
         with self._global_weights():
@@ -326,31 +360,55 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         dataset_args: str | list[str] | None = None,
     ) -> None:
         """
-        Write the DiLoCo model card (`hf_diloco.model_card`, with the `diloco` tag, the DiLoCo settings and the
-        measured communication) to `output_dir/README.md`, instead of the Trainer's generic card. `push_to_hub` calls
-        it before uploading. `language`, `license`, `tasks`, `dataset_tags` and `dataset_args` are not used.
-        """
-        if not self.is_world_process_zero():
-            return
-        extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
-        datasets = [dataset] if isinstance(dataset, str) else dataset
-        self._write_model_card(
-            self.args.output_dir,
-            model_name=model_name,
-            base_model=finetuned_from,
-            extra_tags=extra_tags,
-            datasets=datasets,
-        )
+        Write the DiLoCo model card (`hf_diloco.model_card`: the `diloco` tag, the DiLoCo settings, the measured
+        communication, the inner hyperparameters, the training log and the evaluation of the saved weights) to
+        `output_dir/README.md`, instead of the Trainer's generic card. `push_to_hub` calls it before uploading.
 
-    def _write_model_card(self, folder: str, **overrides: Any) -> None:
+        Every argument is honoured as in `Trainer.create_model_card` (front matter `language`, `license`, `tags`,
+        `base_model` from `finetuned_from`, `datasets` from `dataset_tags`; `model_name` is the title; `tasks` the
+        task of `model-index`; `dataset` / `dataset_args` name the evaluation data) and kept in `model_card_kwargs`
+        for the cards written later (every `save_model`).
+        """
+        given = dict(
+            language=language,
+            license=license,
+            tags=tags,
+            model_name=model_name,
+            finetuned_from=finetuned_from,
+            tasks=tasks,
+            dataset_tags=dataset_tags,
+            dataset=dataset,
+            dataset_args=dataset_args,
+        )
+        self.model_card_kwargs.update({key: value for key, value in given.items() if value is not None})
+        if self.is_world_process_zero():
+            self._write_model_card(self.args.output_dir)
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        """`Trainer.save_metrics`; after training, the card in `output_dir` then quotes `all_results.json`."""
+        super().save_metrics(split, metrics, combined)
+        folder = Path(self.args.output_dir)
+        results_file, card = folder / ALL_RESULTS_NAME, folder / "README.md"
+        if not (self.is_world_process_zero() and self._model_is_global and results_file.is_file()):
+            return
+        results = {k: v for k, v in json.loads(results_file.read_text()).items() if k.startswith("eval_")}
+        if results and has_diloco_tag(card):
+            self._final_metrics = results
+            self._write_model_card(folder)
+
+    def _write_model_card(self, folder: str) -> None:
+        write_model_card(folder, **self._model_card_arguments(folder))
+
+    def _model_card_arguments(self, folder: str) -> dict[str, Any]:
+        """What `render_model_card` needs, from the run and from `model_card_kwargs`."""
         topology = self._get_topology()
         stats = self.diloco.stats if self.diloco is not None else {}
         # What this rank exchanges (one pipeline stage when pipelined), the same parameters DDP would all-reduce here.
         exchanged = sum(p.numel() for p in self.diloco_module.parameters() if p.requires_grad)
-        results = {}
-        for entry in self.state.log_history:
-            results.update({k: v for k, v in entry.items() if k.startswith("eval_") and isinstance(v, (int, float))})
-        kwargs = {
+        options = self.model_card_kwargs
+        results, evaluated = self._card_results()
+        tasks = _as_list(options.get("tasks"))
+        return {
             "settings": {**self.args.diloco_dict(), "num_workers": topology.num_workers},
             "communication": {
                 "bytes_sent": stats.get("bytes_sent", 0),
@@ -359,20 +417,93 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
                 "outer_steps": stats.get("outer_steps", 0),
                 "sync_wait_seconds": stats.get("sync_wait_seconds", 0.0),
             },
-            "data_description": _describe_dataset(self.train_dataset),
-            "base_model": _base_model_id(self.model),
-            "training_results": results or None,
-            "model_name": Path(folder).name if overrides.get("model_name") is None else overrides["model_name"],
-            "repo_id": self.args.hub_model_id,
+            "data_description": options.get("data_description") or _describe_dataset(self.train_dataset),
+            "base_model": options.get("finetuned_from") or _base_model_id(self.model),
+            "training_results": results,
+            "evaluated": evaluated,
+            "model_name": options.get("model_name") or self._card_title(),
+            "repo_id": self.hub_model_id or self.args.hub_model_id or str(folder),
+            "extra_tags": _as_list(options.get("tags")),
+            "datasets": _as_list(options.get("dataset_tags")) or None,
+            "dataset_name": _dataset_name(options.get("dataset"), options.get("dataset_args")),
+            "license": options.get("license"),
+            "language": options.get("language"),
+            "task": tasks[0] if tasks else "text-generation",
+            "hyperparameters": extract_hyperparameters_from_trainer(self),
+            "training_log": _training_log(self.state.log_history),
+            "tokens_seen": self.state.num_input_tokens_seen * topology.num_workers,
         }
-        kwargs.update({k: v for k, v in overrides.items() if v is not None and k != "model_name"})
-        write_model_card(folder, **kwargs)
+
+    def _card_results(self) -> tuple[dict[str, float], str]:
+        """Metrics of an evaluation of exactly the weights being saved, and when it was taken."""
+        if self._model_is_global:
+            return dict(self._final_metrics), "after training"
+        # During training a checkpoint holds theta_g of its step, which an evaluation at that step scored.
+        step, results = self.state.global_step, {}
+        for entry in self.state.log_history:
+            if entry.get("step") == step:
+                results.update({k: v for k, v in entry.items() if k.startswith("eval_")})
+        return results, f"at step {step}"
+
+    def _card_title(self) -> str:
+        if self.args.hub_model_id:
+            return self.args.hub_model_id.rstrip("/").split("/")[-1]
+        if self.args.run_name and self.args.run_name != self.args.output_dir:
+            return self.args.run_name
+        return Path(self.args.output_dir).name
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        include_logs: bool | None = None,
+        **kwargs: Any,
+    ):
+        """
+        `Trainer.push_to_hub`, uploading what a user publishes ([`hf_diloco.hub.files_to_publish`]): the global
+        weights, config, generation config, tokenizer, the DiLoCo card and the results files; not the checkpoints,
+        optimizer, RNG or DiLoCo state or `training_args.bin`.
+
+        Args:
+            include_logs (`bool`, *optional*): also upload the TensorBoard logs under `runs/` (default: when
+                `report_to` includes tensorboard).
+            **kwargs: passed to [`~DiLoCoTrainer.create_model_card`].
+        """
+        self.callback_handler.on_push_begin(self.args, self.state, self.control)
+        token = token if token is not None else self.args.hub_token
+        if self.hub_model_id is None:
+            self.init_hf_repo(token=token, private=private)
+        self.save_model(_internal_call=True)
+        if not self.is_world_process_zero():
+            return None
+        tags = _as_list(kwargs.pop("tags", None)) + list(getattr(self.model, "model_tags", None) or [])
+        self.create_model_card(tags=list(dict.fromkeys(tags)) or None, **kwargs)
+        self._finish_current_push()
+        if include_logs is None:
+            include_logs = "tensorboard" in (self.args.report_to or [])
+        return push_folder_to_hub(
+            self.args.output_dir,
+            self.hub_model_id,
+            token=token,
+            commit_message=commit_message,
+            include_logs=include_logs,
+            revision=revision if revision is not None else self.args.hub_revision,
+            run_as_future=not blocking,
+            api=hf_api(),
+            create_repo=False,  # init_hf_repo created it
+        )
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        super()._save_optimizer_and_scheduler(output_dir)
         if self.diloco is None:
-            return
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # Each rank's inner optimizer and grad scaler go into its DiLoCo state file only (workers differ in both);
+        # the LR schedule, the same on every rank, into the Trainer's scheduler.pt.
         os.makedirs(output_dir, exist_ok=True)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         scaler = getattr(self.accelerator, "scaler", None)
         state = {
             "engine": self.diloco.state_dict(),  # theta_g, this rank's parameters, outer and inner optimizer
@@ -380,7 +511,24 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             "scaler": scaler.state_dict() if scaler is not None else None,
             "world_size": self.args.world_size,
         }
-        torch.save(state, os.path.join(output_dir, DILOCO_STATE_NAME.format(rank=self.args.process_index)))
+        torch.save(state, self._diloco_state_path(output_dir))
+        return None
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if self.diloco is None:
+            super()._save_scaler(output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not os.path.isfile(self._diloco_state_path(checkpoint)):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # This rank's inner optimizer comes back with its DiLoCo state (`_load_diloco_state`).
+        path = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(path):
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+        return None
+
+    def _diloco_state_path(self, folder: str) -> str:
+        return os.path.join(folder, DILOCO_STATE_NAME.format(rank=self.args.process_index))
 
     def _load_diloco_state(self, checkpoint: str) -> None:
         path = os.path.join(checkpoint, DILOCO_STATE_NAME.format(rank=self.args.process_index))
@@ -408,23 +556,46 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
     # ---- keep every per-step collective inside the worker ----
 
     def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> torch.Tensor | int | None:
-        with self._gather_within_worker():
+        with self._gathers_within_worker():
             return super()._get_num_items_in_batch(batch_samples, device)
 
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
-        with self._gather_within_worker():
+        with self._gathers_within_worker():
             super()._track_num_input_tokens(inputs)
 
     @contextlib.contextmanager
-    def _gather_within_worker(self) -> Iterator[None]:
-        # The Trainer's per-step counts call `accelerator.gather` over the world; route them to the worker's group.
-        self.accelerator.gather = self._worker_gather
+    def _gathers_within_worker(self) -> Iterator[None]:
+        # The Trainer's per-step counts (and a subclass's per-step metrics, e.g. TRL's token accuracy) call
+        # `accelerator.gather` / `gather_for_metrics` over the world; route them to the worker's group.
+        accelerator = self.accelerator
+        if "gather" in vars(accelerator):  # already routed by an enclosing call
+            yield
+            return
+        accelerator.gather = self._worker_gather
+        accelerator.gather_for_metrics = self._worker_gather_for_metrics
         try:
             yield
         finally:
-            del self.accelerator.gather
+            del accelerator.gather, accelerator.gather_for_metrics
 
-    def _worker_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _worker_gather(self, data: Any) -> Any:
+        return recursively_apply(self._worker_gather_tensor, data, error_on_other_type=True)
+
+    def _worker_gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        if use_gather_object or not _only_tensors(input_data):
+            return self._worker_gather_objects(input_data)
+        return self._worker_gather(input_data)
+
+    def _worker_gather_objects(self, value: Any) -> list:
+        """Like `accelerator.gather_object`, over the worker's processes: their values (lists concatenated)."""
+        group = self._get_topology().data_parallel_group
+        parts = [value]
+        if group is not None:
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, value, group=group)
+        return [item for part in parts for item in (part if isinstance(part, list) else [part])]
+
+    def _worker_gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
         group = self._get_topology().data_parallel_group
         if group is None:
@@ -433,29 +604,44 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         dist.all_gather(parts, tensor.contiguous(), group=group)
         return torch.cat(parts)
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        # With the token count summed over the worker, DDP's gradient mean must be undone by the worker's size, not
-        # the world's (which the Trainer would use).
-        rescale = (
-            self.args.average_tokens_across_devices
-            and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
-            and num_items_in_batch is not None
-        )
-        with _attribute(self.args, "average_tokens_across_devices", False):
-            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        scale = self._get_topology().data_parallel_size
-        if not rescale or scale == 1:
-            return result
-        if return_outputs:
-            loss, outputs = result
-            return loss * scale, outputs
-        return result * scale
+    def _with_collectives_in_worker(self, training_step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @functools.wraps(training_step)
+        def step_within_worker(*args: Any, **kwargs: Any) -> torch.Tensor:
+            with self._gathers_within_worker():
+                return training_step(*args, **kwargs)
+
+        return step_within_worker
+
+    def _with_worker_loss_scale(self, compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+        """`compute_loss` with the token count of `average_tokens_across_devices` taken over the worker."""
+
+        @functools.wraps(compute_loss)
+        def compute_worker_loss(
+            model: nn.Module,
+            inputs: dict[str, torch.Tensor | Any],
+            return_outputs: bool = False,
+            num_items_in_batch: torch.Tensor | int | None = None,
+        ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+            # With the token count summed over the worker, DDP's gradient mean must be undone by the worker's size,
+            # not the world's (which the Trainer, and subclasses following it, would use).
+            rescale = (
+                self.args.average_tokens_across_devices
+                and (self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+                and num_items_in_batch is not None
+            )
+            with _attribute(self.args, "average_tokens_across_devices", False):
+                result = compute_loss(
+                    model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+                )
+            scale = self._get_topology().data_parallel_size
+            if not rescale or scale == 1:
+                return result
+            if return_outputs:
+                loss, outputs = result
+                return loss * scale, outputs
+            return result * scale
+
+        return compute_worker_loss
 
     def _maybe_log_save_evaluate(
         self, tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, **kw
@@ -493,6 +679,48 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         # batch shapes, so this rank's FLOs times the world size is the total, without talking to other workers.
         self.state.total_flos += self.current_flos * self.args.world_size
         self.current_flos = 0
+
+
+def _only_tensors(data: Any) -> bool:
+    try:
+        recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
+
+
+def _training_log(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per evaluation during training, as the Trainer's cards show them (last training loss, epoch, step,
+    the validation metrics)."""
+    rows, training_loss = [], "No log"
+    for entry in log_history:
+        if "train_loss" in entry:  # the summary of a finished train(); later entries are not during training
+            break
+        training_loss = entry.get("loss", training_loss)
+        if "eval_loss" not in entry:
+            continue
+        row = {"Training Loss": training_loss, "Epoch": entry.get("epoch"), "Step": entry.get("step")}
+        for key, value in entry.items():
+            if key.startswith("eval_") and not key.endswith(("_runtime", "_per_second")):
+                name = (
+                    "Validation Loss" if key == "eval_loss" else " ".join(p.capitalize() for p in key.split("_")[1:])
+                )
+                row[name] = value
+        rows.append(row)
+    return rows
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    return [value] if isinstance(value, str) else list(value or [])
+
+
+def _dataset_name(dataset: str | list[str] | None, dataset_args: str | list[str] | None) -> str | None:
+    names, configs = _as_list(dataset), _as_list(dataset_args)
+    if not names:
+        return None
+    return ", ".join(
+        f"{name} ({config})" if config else name for name, config in zip(names, configs + [""] * len(names))
+    )
 
 
 def _describe_dataset(dataset: Any) -> str:

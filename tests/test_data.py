@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from hf_diloco.data import (
     EOS_TOKEN,
@@ -14,6 +14,8 @@ from hf_diloco.data import (
     check_enough_blocks,
     check_vocab,
     load_text_dataset,
+    model_positions,
+    set_model_max_length,
     split_files,
     stdlib_corpus_files,
     tokenize_and_group,
@@ -250,3 +252,15 @@ def test_build_model_from_local_folder(tmp_path):
         build_model({"model_name_or_path": str(tmp_path)}, 400)
     with pytest.raises(ValueError, match="only one"):
         build_model({"model_name_or_path": str(tmp_path), "config_name": str(tmp_path)}, 300)
+
+
+def test_tokenizer_max_length_comes_from_the_model_positions(tmp_path):
+    """A trained tokenizer claims no limit (1e30); set from the model, the saved tokenizer truncates to its positions."""
+    tokenizer = train_bpe_tokenizer(["def f(x):\n    return x\n"] * 4, vocab_size=300, show_progress=False)
+    assert tokenizer.model_max_length > 1e20
+    assert model_positions(GPT2Config(n_positions=32)) == 32
+    set_model_max_length(tokenizer, LlamaConfig(max_position_embeddings=64))
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert reloaded.model_max_length == 64
+    assert len(reloaded("x " * 1600, truncation=True)["input_ids"]) == 64

@@ -215,7 +215,8 @@ def test_push_to_hub_uploads_global_model_and_diloco_card(tmp_path, fake_hub, mo
     ids = torch.randint(0, 128, (32, 16), generator=torch.Generator().manual_seed(0)).tolist()
     args = DiLoCoTrainingArguments(
         output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=6, per_device_train_batch_size=4, inner_steps=4,
-        report_to=[], save_strategy="no", hub_model_id="someone/tiny-diloco", hub_token="hf_fake", disable_tqdm=True,
+        report_to=[], save_strategy="steps", save_steps=4, hub_model_id="someone/tiny-diloco", hub_token="hf_fake",
+        disable_tqdm=True,
     )  # fmt: skip
     trainer = DiLoCoTrainer(
         model=LlamaForCausalLM(config), args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids})
@@ -232,6 +233,9 @@ def test_push_to_hub_uploads_global_model_and_diloco_card(tmp_path, fake_hub, mo
         if op["key"] == "file"
     }
     assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)
+    # What a user publishes, not the training state around it (checkpoint-4 and training_args.bin are in the folder).
+    assert (tmp_path / "out" / "checkpoint-4").is_dir() and (tmp_path / "out" / "training_args.bin").is_file()
+    assert not [name for name in uploaded if name.startswith("checkpoint-") or name.endswith((".bin", ".pt", ".pth"))]
     weights = load(uploaded["model.safetensors"])
     theta_g = trainer.diloco.global_parameters()
     for name, value in theta_g.items():
@@ -240,3 +244,4 @@ def test_push_to_hub_uploads_global_model_and_diloco_card(tmp_path, fake_hub, mo
     front = yaml.safe_load(card.split("---\n")[1])
     assert "diloco" in front["tags"] and "tiny" in front["tags"]
     assert "# tiny-diloco" in card and "| eval_loss" not in card
+    assert 'from_pretrained("someone/tiny-diloco")' in card

@@ -12,8 +12,9 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from hf_diloco.cli import push
 from hf_diloco.config import DiLoCoConfig
-from hf_diloco.hub import ensure_model_card, push_folder_to_hub
+from hf_diloco.hub import ensure_model_card, files_to_publish, push_folder_to_hub
 from hf_diloco.model_card import write_model_card
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,6 +102,30 @@ def _model_folder(tmp_path: Path) -> Path:
     return folder
 
 
+def _training_output_folder(tmp_path: Path) -> Path:
+    """What a finished run leaves in its output folder: the model and tokenizer, and the training state around it."""
+    folder = _model_folder(tmp_path)
+    published = ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "all_results.json"]
+    private = ["optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth", "rng_state_1.pth", "training_args.bin"]
+    private += ["trainer_state.json", "diloco_state_rank0.pt", "diloco_manifest.json", "events_rank0.json"]
+    for name in published + private:
+        (folder / name).write_text(name)
+    for name in ("checkpoint-2/model.safetensors", "checkpoint-2/optimizer.pt", "tokenizer/tokenizer.json"):
+        (folder / name).parent.mkdir(exist_ok=True)
+        (folder / name).write_text(name)
+    (folder / "runs" / "Dec01").mkdir(parents=True)
+    (folder / "runs" / "Dec01" / "events.out.tfevents.1").write_text("tb")
+    return folder
+
+
+def _uploaded(commit: dict) -> dict[str, bytes]:
+    return {
+        op["value"]["path"]: base64.b64decode(op["value"]["content"])
+        for op in commit["lines"][1:]
+        if op["key"] == "file"
+    }
+
+
 def _card_kwargs() -> dict:
     settings = DiLoCoConfig(inner_steps=8).diloco_dict()
     settings["num_workers"] = 2
@@ -134,13 +159,51 @@ def test_push_uploads_weights_config_and_card(tmp_path, fake_hub):
         assert op["key"] == "file" and op["value"]["encoding"] == "base64"
         uploaded[op["value"]["path"]] = base64.b64decode(op["value"]["content"])
     assert set(uploaded) == {"config.json", "model.safetensors", "README.md"}
-    for name in ("config.json", "model.safetensors", "README.md"):
+    for name in ("config.json", "model.safetensors"):
         assert uploaded[name] == (folder / name).read_bytes()
 
     card = uploaded["README.md"].decode()
     assert fake_hub["validated"] == [card]
     front = yaml.safe_load(card.split("---\n")[1])
     assert "diloco" in front["tags"] and front["library_name"] == "transformers"
+    # The card names the repository it was pushed to; the local card is left as it was.
+    assert 'from_pretrained("someone/tiny-diloco")' in card
+    assert card == (folder / "README.md").read_text().replace("path/to/this/model", "someone/tiny-diloco")
+
+
+def test_push_uploads_what_a_user_publishes_and_nothing_else(tmp_path, fake_hub):
+    folder = _training_output_folder(tmp_path)
+    write_model_card(folder, **_card_kwargs())
+    push_folder_to_hub(folder, "someone/run", token="t", endpoint=fake_hub["endpoint"])
+    expected = {
+        "README.md", "config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+        "tokenizer_config.json", "all_results.json",
+    }  # fmt: skip
+    assert set(_uploaded(fake_hub["commits"][-1])) == expected
+    # TensorBoard logs and anything else only when asked.
+    push_folder_to_hub(
+        folder,
+        "someone/run",
+        token="t",
+        endpoint=fake_hub["endpoint"],
+        include_logs=True,
+        include=["training_args.bin", "checkpoint-*/*"],
+    )
+    extra = {"runs/Dec01/events.out.tfevents.1", "training_args.bin", "checkpoint-2/model.safetensors"}
+    assert set(_uploaded(fake_hub["commits"][-1])) == expected | extra | {"checkpoint-2/optimizer.pt"}
+
+
+def test_push_command(tmp_path, fake_hub, capsys):
+    folder = _training_output_folder(tmp_path)
+    write_model_card(folder, **_card_kwargs())
+    assert push.main([str(folder), "someone/cli", "--dry_run"]) == 0
+    assert "7 file(s)" in capsys.readouterr().out and fake_hub["requests"] == []
+    assert (
+        push.main([str(folder), "someone/cli", "--token", "t", "--endpoint", fake_hub["endpoint"], "--private"]) == 0
+    )
+    assert fake_hub["created"][-1]["visibility"] == "private"
+    assert set(_uploaded(fake_hub["commits"][-1])) == set(files_to_publish(folder))
+    assert "pushed to" in capsys.readouterr().out
 
 
 def test_push_refuses_folder_without_card(tmp_path, fake_hub):

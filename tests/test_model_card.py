@@ -149,3 +149,136 @@ def test_write_model_card(tmp_path):
 
 def test_template_ships_inside_the_package():
     assert template_text().startswith("---\n$front_matter\n---")
+
+
+# ------------------------------------------------------------------------------------------------ front matter
+
+
+def test_front_matter_carries_license_language_datasets_and_model_index():
+    results = {"eval_loss": 3.25, "eval_perplexity": 25.79, "eval_runtime": 1.5}
+    card = render_model_card(
+        _settings(),
+        COMMUNICATION,
+        "d",
+        None,
+        results,
+        model_name="tiny",
+        license="apache-2.0",
+        language="en",
+        datasets=["org/corpus"],
+        extra_tags=["tiny"],
+    )
+    meta = _front_matter(card)
+    assert (meta["license"], meta["language"], meta["datasets"]) == ("apache-2.0", ["en"], ["org/corpus"])
+    assert "tiny" in meta["tags"]
+    [index] = meta["model-index"]
+    assert index["name"] == "tiny"
+    [result] = index["results"]
+    assert result["task"]["type"] == "text-generation" and result["dataset"]["name"] == "org/corpus"
+    metrics = {metric["name"]: (metric["type"], metric["value"]) for metric in result["metrics"]}
+    assert metrics == {"eval_loss": ("loss", 3.25), "eval_perplexity": ("perplexity", 25.79)}  # no timings
+    assert _table_value(card, "eval_perplexity") == "25.79"
+
+
+def test_card_without_final_evaluation_says_so_and_has_no_model_index():
+    card = render_model_card(_settings(), COMMUNICATION, "d", None, None)
+    assert "Not evaluated after the last outer sync" in card
+    assert "model-index" not in _front_matter(card)
+
+
+def test_training_procedure_sections():
+    card = render_model_card(
+        _settings(),
+        COMMUNICATION,
+        "d",
+        hyperparameters={"learning_rate": 0.001, "train_batch_size": 8},
+        training_log=[{"Training Loss": 6.5, "Epoch": 0.1, "Step": 4, "Validation Loss": 6.25}],
+        tokens_seen=1_234_567,
+    )
+    assert "- learning_rate: 0.001" in card and "- train_batch_size: 8" in card
+    assert "| 6.5 | 0.1 | 4 | 6.25 |" in card
+    assert "Tokens trained on: 1,234,567." in card
+    assert "- Transformers: " in card and "- PyTorch: " in card and "- hf_diloco: " in card
+
+
+# ------------------------------------------------------------------------------------------------ DiLoCoTrainer
+
+
+def _trainer(tmp_path, **overrides):
+    import torch
+    from datasets import Dataset
+
+    from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
+    from tests.engine_common import cpu_trainer_args, tiny_llama
+
+    ids = torch.randint(0, 64, (24, 8), generator=torch.Generator().manual_seed(0)).tolist()
+    data = Dataset.from_dict({"input_ids": ids, "labels": ids})
+    values = {"max_steps": 6, "per_device_train_batch_size": 2, "inner_steps": 4, "sync_delay": 1, "num_fragments": 2}
+    values.update(eval_strategy="steps", eval_steps=3, include_num_input_tokens_seen=True)
+    values.update(overrides)
+    args = DiLoCoTrainingArguments(**cpu_trainer_args(tmp_path / "out", **values))
+    return DiLoCoTrainer(
+        model=tiny_llama(64, layers=2, max_positions=8), args=args, train_dataset=data, eval_dataset=data
+    )
+
+
+@pytest.mark.timeout(120)
+def test_trainer_card_quotes_the_evaluation_of_the_saved_weights(tmp_path):
+    """6 steps with H=4 and tau=1: close() changes theta_g after the evaluation at step 6. The card of the saved
+    folder quotes only an evaluation of the final weights, and agrees with all_results.json after save_metrics."""
+    trainer = _trainer(tmp_path)
+    trainer.train()
+    during = [e["eval_loss"] for e in trainer.state.log_history if "eval_loss" in e and e["step"] == 6]
+    trainer.save_model()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "Not evaluated after the last outer sync" in card
+    assert str(during[-1])[:6] in card.split("### Training results")[1]  # listed as an evaluation during training
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] != during[-1]
+    trainer.save_model()
+    assert f"| eval_loss | {metrics['eval_loss']:.6g} |" in (tmp_path / "out" / "README.md").read_text()
+    trainer.save_metrics("all", {**metrics, "eval_perplexity": 99.5})
+    card = (tmp_path / "out" / "README.md").read_text()
+    quoted = {m["name"]: m["value"] for m in _front_matter(card)["model-index"][0]["results"][0]["metrics"]}
+    assert quoted == {"eval_loss": metrics["eval_loss"], "eval_perplexity": 99.5}
+    assert "Tokens trained on: 96." in card  # 6 steps x 2 rows x 8 tokens, one worker
+    assert 'from_pretrained("' + str(tmp_path / "out") + '")' in card
+    assert "- training_steps: 6" in card
+
+
+@pytest.mark.timeout(120)
+def test_trainer_create_model_card_honours_every_argument(tmp_path):
+    trainer = _trainer(tmp_path, eval_strategy="no", hub_model_id="someone/named-by-hub-id")
+    trainer.train()
+    trainer.create_model_card(
+        language="en",
+        license="mit",
+        tags=["extra"],
+        finetuned_from="org/base",
+        tasks="text-generation",
+        dataset_tags="org/data",
+        dataset="Org data",
+        dataset_args="v1",
+    )
+    card = (tmp_path / "out" / "README.md").read_text()
+    meta = _front_matter(card)
+    assert (meta["language"], meta["license"], meta["base_model"], meta["datasets"]) == (
+        ["en"], "mit", "org/base", ["org/data"]
+    )  # fmt: skip
+    assert "extra" in meta["tags"] and "# named-by-hub-id" in card
+    assert 'from_pretrained("someone/named-by-hub-id")' in card
+    trainer.evaluate()
+    trainer.save_model()  # a later card keeps what create_model_card was given
+    card = (tmp_path / "out" / "README.md").read_text()
+    meta = _front_matter(card)
+    assert meta["license"] == "mit" and meta["model-index"][0]["results"][0]["dataset"]["name"] == "Org data (v1)"
+    trainer.create_model_card(model_name="Chosen title")
+    assert "# Chosen title" in (tmp_path / "out" / "README.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_trainer_card_title_from_run_name(tmp_path):
+    trainer = _trainer(tmp_path, eval_strategy="no", run_name="my-run")
+    trainer.train()
+    trainer.save_model()
+    assert "# my-run" in (tmp_path / "out" / "README.md").read_text()

@@ -1,24 +1,21 @@
-"""scripts/plot_run.py on synthetic trainer_state.json files."""
+"""`hf-diloco plot` (hf_diloco/cli/plot.py; scripts/plot_run.py wraps it) on synthetic trainer_state.json files."""
 
-import importlib.util
 import json
 import struct
 from pathlib import Path
 
 import pytest
 
+from hf_diloco.cli import plot
+
 pytestmark = pytest.mark.timeout(120)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "plot_run.py"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def plot_run():
-    spec = importlib.util.spec_from_file_location("plot_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return plot
 
 
 def _history(with_tokens: bool, with_diloco: bool = True) -> list[dict]:

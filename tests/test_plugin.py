@@ -226,10 +226,11 @@ def test_saved_global_model_loads_and_has_card(torchrun_loop):
 
 
 @pytest.mark.timeout(450)
-def test_shuffled_loader_needs_the_seedable_sampler(torchrun_loop):
-    """On 2 processes a shuffled loader would have Accelerate broadcast its random state across workers every epoch:
-    refused, unless the seedable sampler (same seed everywhere, no collective) is configured."""
+def test_shuffled_loader_gets_the_seedable_sampler(torchrun_loop):
+    """On 2 processes a shuffled loader would have Accelerate broadcast its random state across workers every epoch;
+    the plugin gives it the seedable sampler instead (one seed, agreed at start-up), whatever the accelerator's
+    dataloader configuration says."""
     _, ranks = torchrun_loop
     for rank in ranks:
-        assert "use_seedable_sampler=True" in rank["shuffled_default"]
+        assert rank["shuffled_default"] is None
         assert rank["shuffled_seedable"] is None

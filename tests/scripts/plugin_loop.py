@@ -26,14 +26,21 @@ def snapshot(plugin) -> dict:
 
 
 def prepare_shuffled(dataloader_config: DataLoaderConfiguration) -> str | None:
-    """The error `DiLoCoPlugin.prepare` raises for a shuffled loader under this config, or None."""
+    """The error `DiLoCoPlugin.prepare` raises for a shuffled loader under this config, or None; the prepared loader
+    must also shuffle without synchronizing a random state across processes."""
     model = build_model(0)
     loader = DataLoader(random_token_rows(8), batch_size=2, shuffle=True)
     accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config)
+    configured = dataloader_config.use_seedable_sampler
     try:
-        DiLoCoPlugin(environ={}).prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+        plugin = DiLoCoPlugin(environ={})
+        _, _, prepared = plugin.prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
     except ValueError as error:
         return str(error)
+    if prepared.rng_types:
+        return f"the prepared loader synchronizes {prepared.rng_types} at every epoch"
+    if accelerator.dataloader_config.use_seedable_sampler != configured:
+        return "prepare changed the accelerator's dataloader configuration"
     return None
 
 

@@ -1,0 +1,111 @@
+"""What a run is about to do, said once at start-up, and the launch mistake that would make it something else.
+
+`run_summary` is the line the main process logs when the engine starts (workers x data-parallel ranks x stages, H,
+P, tau, overlap, codec, bytes per outer round, outer rounds). `check_processes_joined` refuses a launch whose
+processes are not joined into one run, where N one-worker jobs would train on the same data and write the same
+output folder:
+
+- a launcher said WORLD_SIZE = N, but Accelerate runs each process alone (on a machine without GPUs it joins them
+  only when told to use the CPU);
+- `accelerate launch` was asked for several CPU processes (a MULTI_CPU config, or `--cpu --num_processes N`): without
+  `--mpirun_hostfile` it starts one process, with no rank or world size, however many were asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from accelerate.utils import str_to_bool
+
+from .core.diloco import DiLoCo
+
+
+def launched_processes() -> int:
+    """The number of processes the launcher says it started (`WORLD_SIZE`, 1 when unset)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def check_processes_joined(processes_in_run: int, how_to_fix: str) -> None:
+    """
+    Raise `RuntimeError` when the launcher started several processes but this run counts another number of them.
+
+    Args:
+        processes_in_run (`int`): the processes Accelerate (or the Trainer) sees in this run.
+        how_to_fix (`str`): what to change in the caller's terms, appended to the message.
+    """
+    if _cpu_launch_without_ranks():
+        raise RuntimeError(
+            "accelerate launch was asked for several CPU processes (an accelerate config with distributed_type "
+            "MULTI_CPU, or --cpu with --num_processes > 1) but started only this one: without --mpirun_hostfile it "
+            "runs a single process with no rank, so each such launch would train alone and write the same output "
+            "folder. Start several CPU processes with torchrun --nproc_per_node N, or accelerate launch --multi_gpu "
+            f"--num_processes N; for one process, drop num_processes. {how_to_fix}"
+        )
+    launched = launched_processes()
+    if launched > 1 and processes_in_run != launched:
+        raise RuntimeError(
+            f"The launcher started {launched} processes (WORLD_SIZE={launched}), but this one runs as a "
+            f"{processes_in_run}-process job: Accelerate did not join them into one run. Each process would train "
+            f"as its own one-worker DiLoCo job on the same data and write the same output folder. {how_to_fix}"
+        )
+
+
+def _cpu_launch_without_ranks() -> bool:
+    # Accelerate's single-process launcher sets MASTER_ADDR only when more than one process was asked for.
+    env = os.environ
+    ranked = any(
+        name in env for name in ("WORLD_SIZE", "RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+    )
+    return bool(str_to_bool(env.get("ACCELERATE_USE_CPU", "false"))) and "MASTER_ADDR" in env and not ranked
+
+
+def bytes_per_round(engine: DiLoCo) -> int:
+    """Cross-worker bytes this rank sends in one outer round (every fragment once), by the codec's fixed size."""
+    shapes = {name: tuple(param.shape) for name, param in engine.model.named_parameters()}
+    total = 0
+    for pieces in engine.fragment_pieces():
+        numel = sum((piece.stop - piece.start) * math.prod(shapes[piece.name][1:]) for piece in pieces)
+        total += engine.exchange.wire_bytes(numel)
+    return total
+
+
+def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") -> str:
+    """One line: the rank grid, the schedule, the exchange and what the run will send in `total_steps` steps."""
+    config, topology = engine.config, engine.topology
+    workers = topology.num_workers
+    grid = (
+        f"{_count(workers, 'worker')} x {_count(topology.data_parallel_size, 'data-parallel rank')} x "
+        f"{_count(topology.pipeline_stages, 'pipeline stage')} = "
+        f"{_count(workers * topology.data_parallel_size * topology.pipeline_stages, 'process')}"
+    )
+    schedule = (
+        f"H={config.inner_steps}, P={config.num_fragments}, tau={config.sync_delay}, overlap={config.overlap}, "
+        f"compression={config.compression}{' (adaptive)' if config.adaptive_compression else ''}"
+    )
+    rounds = f"{total_steps // config.inner_steps} outer round(s) in {total_steps} {steps_label}"
+    if workers == 1:
+        traffic = "nothing crosses workers (one worker: launch several processes for several workers)"
+    else:
+        traffic = f"{_human_bytes(bytes_per_round(engine))} sent per rank per outer round"
+        if config.adaptive_compression:
+            traffic += (
+                f" at {config.compression} without low rank (the adaptive policy picks rank and codec each sync)"
+            )
+        elif config.lowrank_rank or config.entropy_coding:
+            traffic = "at most " + traffic
+    return f"DiLoCo run: {grid}; {schedule}; {traffic}; {rounds}."
+
+
+def _count(number: int, noun: str) -> str:
+    plural = noun + ("es" if noun.endswith("s") else "s")
+    return f"{number} {noun if number == 1 else plural}"
+
+
+def _human_bytes(value: int) -> str:
+    scaled = float(value)
+    for unit in ("B", "KB", "MB", "GB"):
+        if scaled < 1000 or unit == "GB":
+            break
+        scaled /= 1000
+    return f"{value} B" if unit == "B" else f"{scaled:.3g} {unit}"

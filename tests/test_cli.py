@@ -1,0 +1,162 @@
+"""The `hf-diloco` command: every help text formats, every YAML key is a flag, unknown keys are errors that name the
+key, the section, the file and the closest valid key, and shipped configs are found by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import HfArgumentParser, TrainingArguments
+
+from hf_diloco import cli
+from hf_diloco.cli import config_file, configs, plot, push
+from hf_diloco.cli.pretrain_arguments import SECTION_FLAGS, build_parser, parse_command_line
+from hf_diloco.config import diloco_field_names
+from hf_diloco.trainer import DiLoCoTrainingArguments
+
+pytestmark = pytest.mark.timeout(300)
+
+COMMAND = Path(sys.executable).parent / "hf-diloco"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ help
+
+
+def test_training_arguments_help_formats():
+    text = HfArgumentParser(DiLoCoTrainingArguments).format_help()
+    assert "--inner_steps" in text and "--entropy_coding" in text and "shrink by about 15 percent" in text
+
+
+def test_every_command_help_formats():
+    assert all(name in cli.build_parser().format_help() for name in cli.COMMANDS)
+    pretrain = build_parser(config_file.read_config("tiny_diloco"), "diloco").format_help()
+    for flag in ("--config", "--trainer", "--auto_resume [{true,false}]", "--data.block_size", "--model.config.FIELD"):
+        assert flag in pretrain, flag
+    assert "(config: 256)" in pretrain  # the config's value of data.block_size
+    for module in (push, plot, configs):
+        assert module.build_parser().format_help().startswith(f"usage: hf-diloco {module.__name__.split('.')[-1]}")
+
+
+def test_pretrain_accepts_every_key_of_the_config_as_a_flag():
+    options = set(build_parser(config_file.read_config("tiny_diloco"), "diloco")._option_string_actions)
+    keys = config_file.section_keys()
+    expected = {f"--{key}" for key in keys["training"] | keys["diloco"]}
+    expected |= {f"--{section}.{key}" for section in ("model", "tokenizer", "data") for key in keys[section]}
+    expected |= {"--config", "--trainer", "--auto_resume"}
+    assert expected <= options, sorted(expected - options)
+    assert {section: set(flags) for section, flags in SECTION_FLAGS.items()} == {
+        section: set(keys[section]) for section in SECTION_FLAGS
+    }
+
+
+@pytest.mark.timeout(400)
+def test_installed_command_help_runs_as_a_subprocess(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    top = subprocess.run([str(COMMAND), "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert top.returncode == 0 and all(name in top.stdout for name in cli.COMMANDS), top.stderr
+    pretrain = subprocess.run(
+        [str(COMMAND), "pretrain", "--help"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env
+    )
+    assert pretrain.returncode == 0, pretrain.stderr[-3000:]
+    for flag in ("--inner_steps", "--learning_rate", "--config", "--auto_resume", "--data.block_size"):
+        assert flag in pretrain.stdout, flag
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+
+def test_command_line_overrides_every_section(tmp_path):
+    parsed = parse_command_line(
+        [
+            "--config", "tiny_diloco", "--use_cpu", "--output_dir", str(tmp_path / "out"), "--auto_resume", "false",
+            "--inner_steps", "10", "--learning_rate", "3e-4", "--data.block_size", "32", "--data.data_files",
+            "{train: a.txt}", "--tokenizer.vocab_size", "300", "--model.config.hidden_size=16",
+            "--model.config.num_hidden_layers", "1",
+        ]
+    )  # fmt: skip
+    assert parsed.auto_resume is False
+    assert (parsed.args.inner_steps, parsed.args.learning_rate) == (10, 3e-4)
+    config = parsed.config.values
+    assert config["data"]["block_size"] == 32 and config["data"]["data_files"] == {"train": "a.txt"}
+    assert config["tokenizer"]["vocab_size"] == 300
+    assert config["model"]["config"]["hidden_size"] == 16 and config["model"]["config"]["num_hidden_layers"] == 1
+    assert config["model"]["config"]["model_type"] == "llama"  # the rest of the config's model stays
+    assert parse_command_line(["--use_cpu", "--auto_resume"]).auto_resume is True
+
+
+def test_bad_auto_resume_value_is_refused():
+    with pytest.raises(SystemExit):
+        parse_command_line(["--use_cpu", "--auto_resume", "maybe"])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("diloko:\n  inner_steps: 4\n", ["'diloko'", "top level", "did you mean 'diloco'"]),
+        ("diloco:\n  inner_stepz: 4\n", ["'inner_stepz'", "diloco: section", "did you mean 'inner_steps'"]),
+        ("data:\n  block_sise: 64\n", ["'block_sise'", "data: section", "did you mean 'block_size'"]),
+        ("tokenizer:\n  vocab_sise: 64\n", ["'vocab_sise'", "tokenizer: section", "did you mean 'vocab_size'"]),
+        ("model:\n  config_nam: x\n", ["'config_nam'", "model: section", "did you mean 'config_name'"]),
+        ("training:\n  learning_rat: 0.1\n", ["'learning_rat'", "training: section", "did you mean 'learning_rate'"]),
+        ("training:\n  inner_steps: 4\n", ["'inner_steps'", "training: section", "belongs in the diloco: section"]),
+        ("auto_resume: 'false'\n", ["auto_resume must be true or false", "'false'"]),
+        ("trainer: dilocox\n", ["trainer must be one of", "'dilocox'"]),
+        ("data: 5\n", ["data: section must be a mapping"]),
+        ("trainer: ddp\ndiloco:\n  inner_steps: 4\n", ["a diloco: section needs trainer: diloco"]),
+    ],
+)
+def test_unknown_or_misplaced_keys_name_key_section_file_and_closest(tmp_path, text, expected):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError) as error:
+        config_file.read_config(str(path))
+    message = str(error.value)
+    assert str(path) in message
+    for part in expected:
+        assert part in message, message
+
+
+def test_misspelt_flag_of_a_section_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_command_line(["--use_cpu", "--data.blocksize", "3"])
+    assert "--data.blocksize" in capsys.readouterr().err
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = _write(tmp_path, "diloco: [unclosed\n")
+    with pytest.raises(ValueError, match=f"{path} is not valid YAML"):
+        config_file.read_config(str(path))
+
+
+def test_config_by_name_or_path(tmp_path):
+    by_name = config_file.read_config("tiny_diloco")
+    by_file_name = config_file.read_config("tiny_diloco.yaml")
+    path = _write(tmp_path, config_file.shipped_config_text("tiny_diloco"))
+    assert by_name.values == by_file_name.values == config_file.read_config(str(path)).values
+    with pytest.raises(ValueError, match="did you mean 'tiny_diloco'|Did you mean 'tiny_diloco'"):
+        config_file.read_config("tiny_diloko")
+
+
+def test_configs_command_lists_and_prints(capsys):
+    assert configs.main([]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("tiny_diloco", "tiny_ddp", "streaming_diloco", "diloco_x"))
+    assert configs.main(["streaming_diloco"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["diloco"]["num_fragments"] == 4
+
+
+def test_every_config_field_has_one_definition():
+    """The DiLoCo flags come from DiLoCoConfig's fields, the training flags from TrainingArguments'."""
+    keys = config_file.section_keys()
+    assert keys["diloco"] == set(diloco_field_names())
+    assert keys["training"] == {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
