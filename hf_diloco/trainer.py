@@ -15,9 +15,12 @@ changes:
 - Evaluation and saving use the global parameters theta_g; each rank writes its DiLoCo state next to the Trainer's
   checkpoint files, and resuming restores it so training continues bitwise as if it had never stopped.
 
-Deliberate global points (collectives over the world are allowed there): start (process groups, the engine's
-initial broadcast and config check), evaluation (the Trainer's usual gathers of predictions and losses, on theta_g,
-which is identical on every rank) and saving when the best metric is tracked (the Trainer's barrier).
+Deliberate global points (collectives over the world are allowed there): start (process groups, the check that the
+settings every rank must share agree, the engine's initial broadcast and config check), evaluation (the Trainer's
+usual gathers of predictions and losses, on theta_g, which is identical on every rank) and saving (bounded barriers
+before, inside and after each checkpoint; see `hf_diloco.global_points`). Every wait for the other ranks at these
+points, and every outer exchange, fails within `sync_timeout_seconds` naming the point and the missing ranks;
+evaluation's gathers are the Trainer's own and are bounded by `ddp_timeout`.
 """
 
 from __future__ import annotations
@@ -367,6 +370,23 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         """
         wait_for_all_ranks(self._global_point_group(), point, self.args.sync_timeout_seconds)
 
+    @contextlib.contextmanager
+    def _bounded_trainer_barrier(self, point: str) -> Iterator[None]:
+        """Inside, the Trainer's own `dist.barrier()` (while saving with a tracked best metric) is one of ours: bounded
+        by `sync_timeout_seconds` and naming the ranks that do not arrive, instead of silence until `ddp_timeout`."""
+        original = dist.barrier
+
+        def barrier(*args, **kwargs):
+            if args or kwargs:  # a barrier on a particular group is not the Trainer's
+                return original(*args, **kwargs)
+            return self.wait_for_all_ranks(f"the Trainer's barrier in {point}")
+
+        dist.barrier = barrier
+        try:
+            yield
+        finally:
+            dist.barrier = original
+
     def _run_was_finished(self, checkpoint: str) -> bool:
         state = read_trainer_state(checkpoint)
         if self.args.max_steps > 0:
@@ -377,9 +397,12 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         )
 
     def _leave_finished_run(self, checkpoint: str) -> TrainOutput:
-        """Resuming at or past the last step: load the checkpoint's weights (theta_g), train and write nothing."""
-        self._load_from_checkpoint(checkpoint)
+        """Resuming at or past the last step: load the checkpoint's weights (theta_g, or the best checkpoint's with
+        `load_best_model_at_end`, as the finished run ended with), train and write nothing."""
         self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        best = self.state.best_model_checkpoint
+        use_best = self.args.load_best_model_at_end and best is not None and os.path.isdir(best)
+        self._load_from_checkpoint(best if use_best else checkpoint)
         self._model_is_global = True
         self.resumed_a_finished_run = True
         if self.is_world_process_zero():
@@ -403,7 +426,7 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         # Rotation is postponed until the new checkpoint is complete, and then deletes only complete checkpoints.
         limit = self.args.save_total_limit
         try:
-            with _attribute(self.args, "save_total_limit", None):
+            with _attribute(self.args, "save_total_limit", None), self._bounded_trainer_barrier(f"saving {name}"):
                 super()._save_checkpoint(model, trial)
             self.wait_for_all_ranks(f"the end of writing {name} (every rank's files written)")
             if self.args.should_save:

@@ -23,10 +23,11 @@ from hf_diloco.checkpointing import (
     verify_checkpoint,
 )
 from tests.dist_utils import free_port
+from tests.engine_common import tiny_llama
+from tests.scripts.guarded_train import SECRET_TOKEN
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "guarded_train.py"
-SECRET_TOKEN = "hf_reliabilityTestSecret0123456789"  # the same as in the script
 
 
 def _launch(base: Path, mode: str, stopped_peer: bool = False, timeout: float = 500) -> list[str]:
@@ -139,25 +140,12 @@ def test_resume_with_another_model_or_world_size_is_refused_before_loading(seque
         other = result["other_model"]
         assert other["error"] == "CheckpointError" and other["unchanged"]
         assert "hidden_size: 32 -> 64" in other["message"] and "--output_dir" in other["message"]
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
 
-    model = LlamaForCausalLM(LlamaConfig(**_TINY))
+    model = tiny_llama(128, layers=2, max_positions=32, heads=2, kv_heads=2)
     args = DiLoCoTrainingArguments(output_dir=str(tmp_path), use_cpu=True, max_steps=8, inner_steps=4, report_to=[])
     with pytest.raises(CheckpointError, match="written by 2 processes, this run has 1.*Resume with 2 processes"):
         DiLoCoTrainer(model=model, args=args).train(resume_from_checkpoint=str(base / "run" / "checkpoint-8"))
-
-
-_TINY = dict(
-    vocab_size=128,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    max_position_embeddings=32,
-)
 
 
 @pytest.mark.timeout(600)
@@ -185,16 +173,25 @@ def test_no_token_lands_in_any_file_written(sequence):
 
 
 @pytest.mark.timeout(300)
-def test_a_peer_stopped_while_saving_fails_the_save_within_the_bound(tmp_path):
-    """Rank 1 is SIGSTOPped in the middle of saving checkpoint-4: rank 0 raises within sync_timeout_seconds (20 s)
-    naming the point and rank 1, and leaves checkpoint-4 without a manifest, which no later run resumes from."""
+@pytest.mark.parametrize(
+    ("stall_in", "point"),
+    [
+        ("files", "the end of writing checkpoint-4 (every rank's files written)"),
+        ("model", "the Trainer's barrier in saving checkpoint-4"),
+    ],
+)
+def test_a_peer_stopped_while_saving_fails_the_save_within_the_bound(tmp_path, stall_in, point):
+    """Rank 1 is SIGSTOPped while saving checkpoint-4, after writing its files or (with a tracked best metric, where
+    the Trainer's own save waits for every rank) before the model is saved: rank 0 raises within
+    sync_timeout_seconds (20 s) naming the point and rank 1, and leaves checkpoint-4 without a manifest, which no
+    later run resumes from."""
     start = time.time()
-    logs = _launch(tmp_path, "stall_at_save", stopped_peer=True)
-    result = _results(tmp_path, "stall_at_save", 0)
+    mode = f"stall_in_{stall_in}"
+    logs = _launch(tmp_path, mode, stopped_peer=True)
+    result = _results(tmp_path, mode, 0)
     error = result["train"]
     assert error["error"] == "PeerTimeoutError", logs[0][-4000:]
-    assert error["message"].startswith("Rank(s) [1] did not reach the end of writing checkpoint-4")
-    assert "sync_timeout_seconds=20" in error["message"]
+    assert error["message"].startswith(f"Rank(s) [1] did not reach {point} within sync_timeout_seconds=20 s")
     stalled_at = float((tmp_path / "stall" / "stalled_at").read_text())
     assert 15 <= result["failed_at"] - stalled_at <= 35
     checkpoint = tmp_path / "stall" / "checkpoint-4"

@@ -2,7 +2,7 @@
 stalled peer, a full disk and settings that differ between ranks. Launched by the test on real processes (RANK,
 WORLD_SIZE, MASTER_ADDR, ... in the environment); each rank writes what it saw to BASE/<mode>_rank{r}.json.
 
-    python tests/scripts/guarded_train.py --base_dir BASE --mode {sequence,stall_at_save,disk_full}
+    python tests/scripts/guarded_train.py --base_dir BASE --mode {sequence,stall_in_files,stall_in_model,disk_full}
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from datasets import Dataset
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, default_data_collator
+from transformers import TrainerCallback, default_data_collator
 
 from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
 from hf_diloco.checkpointing import CheckpointError, CheckpointSaveError, checkpoint_to_resume
 from hf_diloco.global_points import PeerTimeoutError, SettingsMismatchError
+from tests.engine_common import cpu_trainer_args, tiny_llama
 
 SECRET_TOKEN = "hf_reliabilityTestSecret0123456789"
 MAX_STEPS, SAVE_STEPS = 8, 4
@@ -48,28 +49,36 @@ class LimitFileSizeAfterFirstSave(TrainerCallback):
 
 
 class StallingTrainer(DiLoCoTrainer):
-    """Rank 1 stops (SIGSTOP) in the middle of saving checkpoint-4, after rank 0 has written its files."""
+    """Rank 1 stops (SIGSTOP) in the middle of saving checkpoint-4: after writing its files (`stall_in="files"`), or
+    before the model is saved (`"model"`, where rank 0 then meets the Trainer's own best-model barrier)."""
+
+    stall_in = "files"
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if self.stall_in == "model" and _internal_call:
+            self._stall_on_rank_1(Path(output_dir).parent)
+        super().save_model(output_dir, _internal_call)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
+        if self.stall_in == "files":
+            self._stall_on_rank_1(Path(output_dir).parent)
+
+    def _stall_on_rank_1(self, run_dir: Path) -> None:
         if self.args.process_index == 1 and self.state.global_step == SAVE_STEPS:
-            (Path(output_dir).parent / "stalled_at").write_text(repr(time.time()))
+            (run_dir / "stalled_at").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def make_trainer(output_dir: Path, trainer_class=DiLoCoTrainer, model: dict | None = None, callbacks=(), **overrides):
-    values = dict(
-        output_dir=str(output_dir),
+    values = cpu_trainer_args(
+        output_dir,
         max_steps=MAX_STEPS,
         per_device_train_batch_size=2,
         learning_rate=3e-3,
+        save_strategy="steps",
         save_steps=SAVE_STEPS,
-        logging_steps=1,
-        report_to="none",
-        use_cpu=True,
-        seed=0,
         dataloader_pin_memory=False,
-        disable_tqdm=True,
         inner_steps=4,
         sync_timeout_seconds=60,
     )
@@ -77,22 +86,12 @@ def make_trainer(output_dir: Path, trainer_class=DiLoCoTrainer, model: dict | No
     args = DiLoCoTrainingArguments(**values)
     ids = torch.randint(0, 128, (96, 16), generator=torch.Generator().manual_seed(0))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    torch.manual_seed(0)
-    config = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    config.update(model or {})
     counter = StepCounter()
     trainer = trainer_class(
-        model=LlamaForCausalLM(LlamaConfig(**config)),
+        model=tiny_llama(128, layers=2, max_positions=32, heads=2, kv_heads=2, **(model or {})),
         args=args,
         train_dataset=data,
+        eval_dataset=data.select(range(8)) if args.eval_strategy != "no" else None,
         data_collator=default_data_collator,
         callbacks=[counter, *callbacks],
     )
@@ -184,8 +183,13 @@ def sequence(base: Path, rank: int) -> dict[str, Any]:
     return results
 
 
-def stall_at_save(base: Path, rank: int) -> dict[str, Any]:
-    trainer, _ = make_trainer(base / "stall", trainer_class=StallingTrainer, sync_timeout_seconds=20)
+def stall_at_save(base: Path, rank: int, stall_in: str) -> dict[str, Any]:
+    StallingTrainer.stall_in = stall_in
+    # With a tracked best metric the Trainer's own save waits for every rank (after evaluating at step 4).
+    best = (
+        dict(eval_strategy="steps", eval_steps=SAVE_STEPS, metric_for_best_model="loss") if stall_in == "model" else {}
+    )
+    trainer, _ = make_trainer(base / "stall", trainer_class=StallingTrainer, sync_timeout_seconds=20, **best)
     return {"train": attempt(trainer.train), "failed_at": time.time()}
 
 
@@ -207,10 +211,13 @@ def disk_full(base: Path, rank: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base_dir", required=True)
-    parser.add_argument("--mode", choices=["sequence", "stall_at_save", "disk_full"], required=True)
+    parser.add_argument("--mode", choices=["sequence", "stall_in_files", "stall_in_model", "disk_full"], required=True)
     cli = parser.parse_args()
     base, rank = Path(cli.base_dir), int(os.environ["RANK"])
-    results = {"sequence": sequence, "stall_at_save": stall_at_save, "disk_full": disk_full}[cli.mode](base, rank)
+    if cli.mode.startswith("stall_in_"):
+        results = stall_at_save(base, rank, cli.mode.removeprefix("stall_in_"))
+    else:
+        results = {"sequence": sequence, "disk_full": disk_full}[cli.mode](base, rank)
     (base / f"{cli.mode}_rank{rank}.json").write_text(json.dumps(results, indent=1, default=str))
     if dist.is_initialized():
         dist.destroy_process_group()
