@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -201,7 +202,6 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         self.diloco_topology: Topology | None = None
         self.resumed_a_finished_run = False  # set by train(): the checkpoint it resumed from was at the last step
         self._settings_that_must_agree: dict[str, Any] = {}
-        self._global_points: Any = None  # the gloo group of all ranks for bounded barriers, made at train()
         self._utilization: ComputeUtilization | None = None
         self._model_is_global = False  # after train(): the model holds theta_g (or the best checkpoint's)
         super().__init__(model, args, *pos, **kwargs)
@@ -351,16 +351,16 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
     def _check_ranks_agree(self, checkpoint: str | None) -> None:
         check_ranks_agree(
             self.settings_that_must_agree(checkpoint),
-            self._global_point_group(),
+            self._global_points,
             self.args.sync_timeout_seconds,
             point="the start of training",
         )
 
-    def _global_point_group(self) -> Any:
-        if self._global_points is None:
-            self._get_topology()  # the process groups exist before this one, in the same order on every rank
-            self._global_points = global_point_group(self.args.sync_timeout_seconds) or False
-        return self._global_points or None
+    @functools.cached_property
+    def _global_points(self) -> dist.ProcessGroup | None:
+        """The gloo group of all ranks for the bounded global points, made at the first (at the start of `train()`)."""
+        self._get_topology()  # the process groups exist before this one, in the same order on every rank
+        return global_point_group(self.args.sync_timeout_seconds)
 
     def wait_for_all_ranks(self, point: str) -> None:
         """
@@ -368,7 +368,7 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         `sync_timeout_seconds`; then raise `PeerTimeoutError` naming the point and the ranks that did not arrive.
         Every rank must call it, in the same order as the trainer's other global points.
         """
-        wait_for_all_ranks(self._global_point_group(), point, self.args.sync_timeout_seconds)
+        wait_for_all_ranks(self._global_points, point, self.args.sync_timeout_seconds)
 
     @contextlib.contextmanager
     def _bounded_trainer_barrier(self, point: str) -> Iterator[None]:
