@@ -18,14 +18,23 @@ check_enough_blocks(len(blocks["train"]), num_shards=world_size, batch_size=8)
 
 from __future__ import annotations
 
+import codecs
+import glob
+import hashlib
+import json
+import os
 import random
+import shutil
 import sysconfig
 from collections.abc import Iterable, Mapping, Sequence, Sized
 from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from datasets import Dataset, DatasetDict, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -38,12 +47,15 @@ __all__ = [
     "build_tokenizer",
     "check_enough_blocks",
     "check_vocab",
+    "dataset_fingerprint",
+    "load_or_train_tokenizer",
     "load_text_dataset",
     "model_positions",
     "set_model_max_length",
     "split_files",
     "stdlib_corpus_files",
     "tokenize_and_group",
+    "tokenizer_fingerprint",
     "train_bpe_tokenizer",
 ]
 
@@ -74,6 +86,13 @@ DATA_SPEC_KEYS = frozenset(
 TOKENIZER_SPEC_KEYS = frozenset({"path", "vocab_size", "min_frequency", "max_train_samples"})
 # Names model configs give the longest sequence their position embeddings cover, in order of preference.
 POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+# Written next to a tokenizer that `load_or_train_tokenizer` trained: the `tokenizer:` section and the fingerprint.
+TOKENIZER_RECORD_NAME = "hf_diloco_tokenizer.json"
+
+# Builders that read UTF-8 text files, whose files are checked before loading; compressed files are left to them.
+_TEXT_BUILDERS = frozenset({"text", "json", "csv"})
+_COMPRESSED_SUFFIXES = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".lz4", ".tar"})
+_SNIFFED_BYTES = 1 << 16
 
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _STDLIB_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
@@ -421,12 +440,28 @@ def _load_with_datasets(spec: Mapping[str, Any], eval_fraction: float, seed: int
     if not spec.get("path"):
         raise ValueError("data.source 'datasets' needs data.path (a dataset name, folder, or builder like 'json').")
     kwargs = {key: spec[key] for key in ("name", "data_files", "data_dir", "split") if spec.get(key) is not None}
-    loaded = load_dataset(spec["path"], **kwargs)
+    source = ", ".join(f"data.{key}={value!r}" for key, value in {"path": spec["path"], **kwargs}.items())
+    if spec["path"] in _TEXT_BUILDERS:
+        for path in _local_data_files(spec.get("data_files")):
+            _check_text_file(path, spec["path"])
+    try:
+        loaded = load_dataset(spec["path"], **kwargs)
+    except (DatasetGenerationError, StopIteration) as error:
+        cause = error.__cause__ or error.__context__ or error
+        raise ValueError(
+            f"Could not read the corpus ({source}): {type(cause).__name__}: {str(cause)[:300]}. Check that every data "
+            "file is non-empty UTF-8 text in the builder's format (one document per line for 'text', one JSON object "
+            "per line for 'json')."
+        ) from error
     validation_split = spec.get("validation_split", "validation")
     if isinstance(loaded, Dataset):
         loaded = DatasetDict(train=loaded)
     if "train" not in loaded:
         raise ValueError(f"The dataset {spec['path']!r} has no 'train' split (splits: {list(loaded)}).")
+    text_column = spec.get("text_column", "text")
+    for split in ("train", validation_split):
+        if split in loaded:
+            _check_text_column(loaded[split], split, text_column, source)
     if validation_split in loaded:
         raw = DatasetDict(train=loaded["train"], validation=loaded[validation_split])
     else:
@@ -437,14 +472,71 @@ def _load_with_datasets(spec: Mapping[str, Any], eval_fraction: float, seed: int
             )
         held_out = loaded["train"].train_test_split(test_size=eval_fraction, seed=seed)
         raw = DatasetDict(train=held_out["train"], validation=held_out["test"])
-    text_column = spec.get("text_column", "text")
-    for split, dataset in raw.items():
-        if text_column not in dataset.column_names:
-            raise ValueError(
-                f"The {split} split has no column {text_column!r} (columns: {dataset.column_names}); "
-                "set data.text_column."
-            )
     return DatasetDict({split: _only_text(dataset, text_column) for split, dataset in raw.items()})
+
+
+def _local_data_files(data_files: Any) -> list[Path]:
+    """The local files that `data_files` (a path, a glob, a list or a split -> paths mapping) names."""
+    if data_files is None:
+        return []
+    if isinstance(data_files, Mapping):
+        return [path for value in data_files.values() for path in _local_data_files(value)]
+    if isinstance(data_files, (list, tuple)):
+        return [path for value in data_files for path in _local_data_files(value)]
+    return [Path(name) for name in sorted(glob.glob(os.path.expanduser(str(data_files)))) if os.path.isfile(name)]
+
+
+def _check_text_file(path: Path, builder: str) -> None:
+    """Refuse an empty or binary (not UTF-8) data file before `datasets` fails on it without naming it."""
+    if path.suffix.lower() in _COMPRESSED_SUFFIXES:
+        return
+    with open(path, "rb") as handle:
+        head = handle.read(_SNIFFED_BYTES)
+    if not head.strip():
+        raise ValueError(
+            f"The data file {path} is empty (data.data_files). Point data.data_files at files that hold text, or "
+            "leave this one out."
+        )
+    problem = _binary_content(head)
+    if problem:
+        raise ValueError(
+            f"The data file {path} is not UTF-8 text ({problem}); it looks binary. The {builder!r} builder reads "
+            "UTF-8 text: point data.data_files at text files, or convert this one to UTF-8 (for example with "
+            "`iconv -t utf-8`)."
+        )
+
+
+def _binary_content(head: bytes) -> str | None:
+    """What makes the start of a file not UTF-8 text, or `None`."""
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        return f"a NUL byte at byte {nul}"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError as error:
+        return f"byte {error.start}: {error.reason}"
+    return None
+
+
+def _check_text_column(dataset: Dataset, split: str, text_column: str, source: str) -> None:
+    """The text column exists, holds strings, and has no null rows (which would crash tokenization much later)."""
+    if text_column not in dataset.column_names:
+        raise ValueError(
+            f"The {split} split has no column {text_column!r} (columns: {dataset.column_names}); set data.text_column."
+        )
+    column = dataset.with_format("arrow")[text_column]
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type) or pa.types.is_null(column.type)):
+        raise ValueError(
+            f"Column {text_column!r} of the {split} split ({source}) holds {column.type}, not text; set "
+            "data.text_column to the column that holds the documents."
+        )
+    if column.null_count:
+        first = pc.index(pc.is_null(column), True).as_py()
+        raise ValueError(
+            f"{column.null_count} of {len(column)} rows of the {split} split ({source}) have no text (null in column "
+            f"{text_column!r}); the first is row {first}. Remove or fill those rows in the data files (or filter them "
+            "out before training) and rerun."
+        )
 
 
 def _only_text(dataset: Dataset, text_column: str) -> Dataset:
@@ -458,3 +550,88 @@ def _subset(dataset: Dataset, max_samples: int | None, seed: int) -> Dataset:
     if max_samples is None or max_samples >= len(dataset):
         return dataset
     return dataset.shuffle(seed=seed).select(range(max_samples))
+
+
+def load_or_train_tokenizer(
+    folder: str | os.PathLike, spec: Mapping[str, Any] | None, texts: Iterable[str]
+) -> PreTrainedTokenizerBase:
+    """
+    The run's tokenizer, fixed at its first start: trained (`build_tokenizer`) and saved to `folder` once, then
+    loaded from there at every later start (a resume, a restart, another worker on the shared disk), never retrained
+    or overwritten, so token ids keep their meaning when the data changes.
+
+    Args:
+        folder (`str` or `os.PathLike`): where the run keeps its tokenizer (e.g. `output_dir/tokenizer`).
+        spec (`Mapping[str, Any]`, *optional*): the `tokenizer:` section (see `build_tokenizer`). With `path`, that
+            tokenizer is loaded from where it is and `folder` is not used.
+        texts (`Iterable[str]`): the training documents, read only when the tokenizer is trained.
+
+    Returns:
+        `PreTrainedTokenizerBase`: the tokenizer.
+
+    Raises:
+        `ValueError`: when `folder` holds a tokenizer trained with another `tokenizer:` section, or files that no
+            longer match the tokenizer that was trained there (the message says what to do).
+    """
+    spec = dict(spec or {})
+    _check_keys(spec, TOKENIZER_SPEC_KEYS, "tokenizer")
+    if spec.get("path"):
+        return build_tokenizer(spec, texts)
+    folder = Path(folder)
+    if folder.exists():
+        return _load_fixed_tokenizer(folder, spec)
+    tokenizer = build_tokenizer(spec, texts)
+    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    tokenizer.save_pretrained(staging)
+    record = {"tokenizer_section": spec, "fingerprint": tokenizer_fingerprint(tokenizer)}
+    (staging / TOKENIZER_RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True))
+    try:
+        os.rename(staging, folder)
+    except OSError:
+        # Another process published the tokenizer first: use that one.
+        shutil.rmtree(staging, ignore_errors=True)
+        return _load_fixed_tokenizer(folder, spec)
+    return tokenizer
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """A short hash of everything that maps text to ids (vocabulary, merges, normalisation, special tokens)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    mapping = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    special = json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str)
+    return hashlib.sha256(f"{mapping}\n{special}".encode()).hexdigest()[:16]
+
+
+def dataset_fingerprint(dataset: Dataset, samples: int = 64, column: str = "input_ids") -> str:
+    """A short hash of a packed dataset's length and `samples` evenly spaced rows: equal on workers that built the
+    same blocks, different (with near certainty) when their data, tokenizer or packing differ."""
+    length = len(dataset)
+    rows = sorted({i * (length - 1) // max(samples - 1, 1) for i in range(samples)}) if length else []
+    picked = dataset.select(rows)[column] if rows else []
+    return hashlib.sha256(json.dumps([length, list(picked)]).encode()).hexdigest()[:16]
+
+
+def _load_fixed_tokenizer(folder: Path, spec: Mapping[str, Any]) -> PreTrainedTokenizerBase:
+    record_path = folder / TOKENIZER_RECORD_NAME
+    if not record_path.is_file():
+        raise ValueError(
+            f"{folder} exists but holds no tokenizer trained by this run ({TOKENIZER_RECORD_NAME} is missing). To use "
+            f"a tokenizer you made, set `tokenizer: path: {folder}`; otherwise delete or move that folder (the run "
+            "then trains its tokenizer there) or use another --output_dir."
+        )
+    record = json.loads(record_path.read_text())
+    if record["tokenizer_section"] != dict(spec):
+        raise ValueError(
+            f"This run's tokenizer in {folder} was trained with `tokenizer:` {record['tokenizer_section']}, but the "
+            f"config now says {dict(spec)}. A run's tokenizer is fixed at its first start (retraining it would change "
+            "what every token id means to the checkpoints). Put the old `tokenizer:` section back, or train a new "
+            "model in another --output_dir."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if tokenizer_fingerprint(tokenizer) != record["fingerprint"]:
+        raise ValueError(
+            f"The tokenizer files in {folder} changed after this run trained them (fingerprint "
+            f"{tokenizer_fingerprint(tokenizer)}, trained {record['fingerprint']}): restore them from a checkpoint "
+            "folder of this run (each holds a copy), or train a new model in another --output_dir."
+        )
+    return tokenizer

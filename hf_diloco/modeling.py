@@ -7,12 +7,23 @@ model (about 1.4M parameters with a 4096-token vocabulary: a CPU runs hundreds o
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, set_seed
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, set_seed
 
-__all__ = ["DEFAULT_MODEL_CONFIG", "MODEL_SPEC_KEYS", "build_model", "build_model_config", "check_vocab_size"]
+__all__ = [
+    "DEFAULT_MODEL_CONFIG",
+    "MODEL_SPEC_KEYS",
+    "architecture",
+    "build_model",
+    "build_model_config",
+    "check_block_size",
+    "check_vocab_size",
+    "describe_architecture_change",
+]
 
 DEFAULT_MODEL_CONFIG: dict[str, Any] = {
     "model_type": "llama",
@@ -26,6 +37,11 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
 }
 
 MODEL_SPEC_KEYS = frozenset({"config", "config_name", "model_name_or_path", "dtype"})
+
+_NOT_ARCHITECTURE = frozenset(
+    {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_attentions",
+     "output_hidden_states", "return_dict"}
+)  # fmt: skip
 
 
 def build_model_config(
@@ -59,13 +75,17 @@ def build_model_config(
     source = spec.get("model_name_or_path") or spec.get("config_name")
     if source:
         overrides.pop("model_type", None)
-        config = AutoConfig.from_pretrained(source, **overrides)
+        # `from_pretrained` drops keys it does not know without a word; it returns them when asked.
+        config, unused = AutoConfig.from_pretrained(source, return_unused_kwargs=True, **overrides)
+        _refuse_unknown_keys(sorted(unused), config)
     else:
         config_kwargs = overrides if overrides else dict(DEFAULT_MODEL_CONFIG)
         if "model_type" not in config_kwargs:
             raise ValueError("model.config needs a `model_type` (for example 'llama', 'gpt2', 'qwen2').")
         model_type = config_kwargs.pop("model_type")
+        _check_model_type(model_type)
         config = AutoConfig.for_model(model_type, **config_kwargs)
+        _check_config_keys(config_kwargs, config, AutoConfig.for_model(model_type))
         if "vocab_size" not in config_kwargs:
             config.vocab_size = vocab_size
     if not spec.get("model_name_or_path"):
@@ -95,6 +115,48 @@ def check_vocab_size(num_tokens: int, model_vocab_size: int) -> None:
             "tokenizer that belongs to the checkpoint (`tokenizer.path`), lower `tokenizer.vocab_size`, or raise "
             "the model's `vocab_size`."
         )
+
+
+def check_block_size(block_size: int, model_config: PretrainedConfig) -> None:
+    """
+    Fail early when blocks of `block_size` tokens are longer than the model's positions.
+
+    Args:
+        block_size (`int`): tokens per training block (`data.block_size`).
+        model_config (`PretrainedConfig`): the model's config (its `max_position_embeddings`, under whatever name the
+            architecture uses, e.g. GPT-2's `n_positions`).
+
+    Raises:
+        `ValueError`: when `block_size` exceeds the model's positions, saying both ways out. A model with learned
+            positions would fail at its first step with an `IndexError`; one with rotary positions would silently
+            train beyond the length it declares.
+    """
+    positions = getattr(model_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and block_size > positions:
+        name = type(model_config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+        raise ValueError(
+            f"data.block_size is {block_size} tokens but the model has only {positions} positions (`{name}` of its "
+            f"{model_config.model_type!r} config). Lower `data.block_size` to at most {positions}, or raise the "
+            f"model's `{name}` in `model: config:` (a new model only: a checkpoint's learned positions cannot grow)."
+        )
+
+
+def architecture(model_config: PretrainedConfig) -> dict[str, Any]:
+    """
+    The settings of `model_config` that define the model a checkpoint holds: its whole `to_dict()` but the keys that
+    only say where it came from or how it runs (`_name_or_path`, `transformers_version`, `architectures`, `dtype`,
+    `use_cache`, output flags, and every private `_...` key).
+    """
+    return {k: v for k, v in model_config.to_dict().items() if k not in _NOT_ARCHITECTURE and not k.startswith("_")}
+
+
+def describe_architecture_change(saved: Mapping[str, Any], current: Mapping[str, Any], limit: int = 6) -> str | None:
+    """`None` when two `architecture` dicts are equal, else "key: saved -> current; ..." for the keys that differ."""
+    keys = sorted(k for k in set(saved) | set(current) if saved.get(k, "<not set>") != current.get(k, "<not set>"))
+    if not keys:
+        return None
+    shown = "; ".join(f"{k}: {saved.get(k, '<not set>')!r} -> {current.get(k, '<not set>')!r}" for k in keys[:limit])
+    return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def build_model(
@@ -145,3 +207,42 @@ def build_model(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.train()
     return model
+
+
+def _check_model_type(model_type: str) -> None:
+    if model_type not in CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"Unknown model.config model_type {model_type!r}.{hint}")
+
+
+def _check_config_keys(given: Mapping[str, Any], built: PretrainedConfig, default: PretrainedConfig) -> None:
+    """Refuse keys of `model.config` that the config class does not know (a config keeps unknown kwargs as
+    attributes without a word, so a misspelt `hiden_size` would leave the real setting at its default)."""
+    # Legacy names the class converts (e.g. Llama's `rope_theta` into `rope_parameters`) are not kept as attributes.
+    kept = set(built.to_dict())
+    known = _known_keys(built, default)
+    _refuse_unknown_keys(sorted(key for key in given if key not in known and key in kept), built)
+
+
+def _known_keys(config: PretrainedConfig, default: PretrainedConfig | None = None) -> set[str]:
+    config_class = type(config)
+    known = set((default or config).to_dict()) | set(config_class.attribute_map)
+    known |= {name for name in inspect.signature(config_class.__init__).parameters if name not in ("self", "kwargs")}
+    return known - {"model_type"}
+
+
+def _refuse_unknown_keys(unknown: list[str], config: PretrainedConfig) -> None:
+    if not unknown:
+        return
+    known = sorted(_known_keys(config) - set(unknown))
+    described = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        described.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    name = type(config).__name__
+    raise ValueError(
+        f"Unknown key(s) in the `model: config:` section for model_type {config.model_type!r}: "
+        f"{', '.join(described)}. A {name} has no such setting; fix the spelling (valid keys are the arguments of "
+        f"{name})."
+    )

@@ -15,14 +15,18 @@ changes:
 - Evaluation and saving use the global parameters theta_g; each rank writes its DiLoCo state next to the Trainer's
   checkpoint files, and resuming restores it so training continues bitwise as if it had never stopped.
 
-Deliberate global points (collectives over the world are allowed there): start (process groups, the engine's
-initial broadcast and config check), evaluation (the Trainer's usual gathers of predictions and losses, on theta_g,
-which is identical on every rank) and saving when the best metric is tracked (the Trainer's barrier).
+Deliberate global points (collectives over the world are allowed there): start (process groups, the check that the
+settings every rank must share agree, the engine's initial broadcast and config check), evaluation (the Trainer's
+usual gathers of predictions and losses, on theta_g, which is identical on every rank) and saving (bounded barriers
+before, inside and after each checkpoint; see `hf_diloco.global_points`). Every wait for the other ranks at these
+points, and every outer exchange, fails within `sync_timeout_seconds` naming the point and the missing ranks;
+evaluation's gathers are the Trainer's own and are bounded by `ddp_timeout`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import json
 import os
@@ -35,19 +39,31 @@ import torch
 import torch.distributed as dist
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, recursively_apply
 from torch import nn
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerState, TrainingArguments
 from transformers.modelcard import extract_hyperparameters_from_trainer
 from transformers.trainer import SCHEDULER_NAME
-from transformers.utils import logging
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
+from transformers.utils import CONFIG_NAME, logging
 from transformers.utils.hub import hf_api
 
-from .checkpointing import last_complete_checkpoint, verify_checkpoint, write_manifest
+from .checkpointing import (
+    CheckpointError,
+    checkpoint_to_resume,
+    make_way_for_checkpoint,
+    read_trainer_state,
+    rotate_checkpoints,
+    save_failure,
+    verify_checkpoint,
+    write_manifest,
+)
 from .config import DiLoCoConfig
 from .core.diloco import DiLoCo
 from .core.topology import Topology
+from .global_points import PeerTimeoutError, check_ranks_agree, global_point_group, wait_for_all_ranks
 from .hub import push_folder_to_hub
 from .launch import init_process_group_for_restart
 from .model_card import has_diloco_tag, write_model_card
+from .modeling import architecture, describe_architecture_change
 from .monitoring import ComputeUtilization
 from .pipeline_trainer import PipelineTrainerMixin
 from .run_summary import check_processes_joined, run_summary
@@ -56,6 +72,8 @@ logger = logging.get_logger(__name__)
 
 DILOCO_STATE_NAME = "diloco_state_rank{rank}.pt"
 ALL_RESULTS_NAME = "all_results.json"
+# DiLoCo settings each node may choose for itself (where theta_g lives, how long it waits for peers).
+_NODE_LOCAL_DILOCO_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds"})
 
 
 @dataclass(repr=False)
@@ -103,6 +121,23 @@ class DiLoCoTrainingArguments(TrainingArguments, DiLoCoConfig):
     def diloco_config(self) -> DiLoCoConfig:
         """The DiLoCo fields as a plain [`DiLoCoConfig`]."""
         return DiLoCoConfig(**self.diloco_dict())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The Trainer pickles its arguments into `training_args.bin` in every checkpoint and in the saved model, which
+        # may be pushed: every `*_token` (a Hub token given on the command line) is left out of the pickle.
+        return {name: None if name.endswith("_token") else value for name, value in self.__dict__.items()}
+
+    def __copy__(self) -> DiLoCoTrainingArguments:
+        clone = self.__class__.__new__(self.__class__)
+        clone.__dict__.update(self.__dict__)
+        return clone
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DiLoCoTrainingArguments:
+        # Copies keep their tokens (only the pickle leaves them out).
+        clone = self.__class__.__new__(self.__class__)
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
 
 @dataclass
@@ -181,6 +216,8 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
         self.diloco: DiLoCo | None = None
         self.diloco_topology: Topology | None = None
         self.model_card_kwargs: dict[str, Any] = {}
+        self.resumed_a_finished_run = False  # set by train(): the checkpoint it resumed from was at the last step
+        self._settings_that_must_agree: dict[str, Any] = {}
         self._utilization: ComputeUtilization | None = None
         self._model_is_global = False  # after train(): the model holds theta_g (or the best checkpoint's)
         self._final_metrics: dict[str, float] = {}  # evaluations of the model as train() left it
@@ -236,43 +273,199 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             and self._get_topology().data_parallel_group is None
         )
 
-    # ---- atomic checkpoints ----
+    # ---- atomic checkpoints, resume and the global points ----
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """`Trainer.train`; `resume_from_checkpoint=True` picks the newest *complete* checkpoint, and a named one is
-        verified against its manifest first (an incomplete or corrupt checkpoint raises `CheckpointError`)."""
+        """
+        `Trainer.train`, with these guarantees about checkpoints and the other ranks:
+
+        - `resume_from_checkpoint=True` picks the newest *complete* checkpoint in `output_dir`; when the folder holds
+          checkpoints but none verifies it raises `CheckpointError` (naming each one's problem) instead of starting
+          over; a named checkpoint is verified against its manifest first.
+        - A checkpoint written by another number of processes or for another model architecture is refused before
+          anything is loaded.
+        - Before any work, every rank checks with one all-gather that the settings which must agree do
+          (`settings_that_must_agree`); each global point waits at most `sync_timeout_seconds` for the other ranks
+          and then fails naming the ranks that did not arrive.
+        - Resuming from a checkpoint at or past the last step trains nothing and writes nothing: `trainer.model`
+          gets the checkpoint's (global) weights, `resumed_a_finished_run` is set and the output folder is left as
+          it is.
+        """
+        self.resumed_a_finished_run = False
+        checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
+        if checkpoint is not None:
+            self._check_checkpoint_fits(checkpoint)
+        self._check_ranks_agree(checkpoint)
+        if checkpoint is not None and self._run_was_finished(checkpoint):
+            return self._leave_finished_run(checkpoint)
+        return super().train(checkpoint, *args, **kwargs)
+
+    def require_agreement(self, name: str, value: Any) -> None:
+        """
+        Add a setting that must be equal on every rank to the start-of-training check (for example the main job's
+        tokenizer and data fingerprints). `value` must be JSON-serialisable; give a large one as
+        `hf_diloco.global_points.fingerprint(value)`.
+        """
+        self._settings_that_must_agree[name] = value
+
+    def settings_that_must_agree(self, checkpoint: str | None = None) -> dict[str, Any]:
+        """
+        The settings every rank must share, checked at the start of `train()`: a difference would make ranks meet
+        at different steps (a hang) or train different things silently. The schedule (steps, saving, evaluation,
+        logging, gradient accumulation), the seeds, the whole model config, the DiLoCo settings, the checkpoint
+        resumed from, and whatever `require_agreement` added. Subclasses may add more.
+        """
+        args = self.args
+        settings: dict[str, Any] = {
+            "world_size": args.world_size,
+            "max_steps": args.max_steps,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "save": [str(args.save_strategy), args.save_steps, args.save_only_model, args.save_on_each_node],
+            "evaluation": [str(args.eval_strategy), args.eval_steps, args.eval_on_start, args.eval_delay],
+            "eval_batch": [args.per_device_eval_batch_size, args.eval_accumulation_steps, _length(self.eval_dataset)],
+            "logging": [str(args.logging_strategy), args.logging_steps, args.logging_first_step],
+            "best_model": [args.load_best_model_at_end, args.metric_for_best_model],
+            "seeds": [args.seed, args.data_seed, args.full_determinism],
+            "diloco": {k: v for k, v in args.diloco_dict().items() if k not in _NODE_LOCAL_DILOCO_FIELDS},
+            "resume_from_step": None if checkpoint is None else read_trainer_state(checkpoint).get("global_step"),
+        }
+        if args.max_steps <= 0:  # the schedule then follows the data
+            settings["epochs"] = [args.num_train_epochs, _length(self.train_dataset)]
+        config = getattr(self.model, "config", None)
+        if config is not None and hasattr(config, "to_dict"):
+            settings["model_config"] = architecture(config)
+        settings.update(self._settings_that_must_agree)
+        return settings
+
+    def _checkpoint_to_resume(self, resume_from_checkpoint: str | bool | os.PathLike | None) -> str | None:
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint found in output_dir {self.args.output_dir} to resume from.")
-        elif isinstance(resume_from_checkpoint, (str, os.PathLike)):
+            checkpoint = checkpoint_to_resume(
+                self.args.output_dir,
+                start_over="call train() without resume_from_checkpoint (or pass --auto_resume false)",
+            )
+            if checkpoint is None:
+                raise ValueError(f"No checkpoint found in output_dir {self.args.output_dir} to resume from.")
+            return checkpoint
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)):
             verify_checkpoint(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+            return str(resume_from_checkpoint)
+        return None
+
+    def _check_checkpoint_fits(self, checkpoint: str) -> None:
+        """Refuse a checkpoint of another world size or model architecture before anything is loaded from it."""
+        writers = [name for name in os.listdir(checkpoint) if name.startswith("diloco_state_rank")]
+        way_out = (
+            "or start a new run in another --output_dir (or pass --auto_resume false / call train() without "
+            "resume_from_checkpoint to start over in this one)"
+        )
+        if writers and len(writers) != self.args.world_size:
+            raise CheckpointError(
+                f"{checkpoint} was written by {len(writers)} processes, this run has {self.args.world_size}: DiLoCo "
+                f"state is per process. Resume with {len(writers)} processes, {way_out}."
+            )
+        config_path = os.path.join(checkpoint, CONFIG_NAME)
+        config = getattr(self.model, "config", None)
+        if not os.path.isfile(config_path) or config is None or not hasattr(config, "to_dict"):
+            return
+        saved = type(config).from_json_file(config_path)
+        change = describe_architecture_change(architecture(saved), architecture(config))
+        if change:
+            raise CheckpointError(
+                f"{checkpoint} holds another model than this run builds ({change}; checkpoint -> this run). Resume "
+                f"with the model settings it was saved with (`model:` in the config), {way_out}."
+            )
+
+    def _check_ranks_agree(self, checkpoint: str | None) -> None:
+        check_ranks_agree(
+            self.settings_that_must_agree(checkpoint),
+            self._global_points,
+            self.args.sync_timeout_seconds,
+            point="the start of training",
+        )
+
+    @functools.cached_property
+    def _global_points(self) -> dist.ProcessGroup | None:
+        """The gloo group of all ranks for the bounded global points, made at the first (at the start of `train()`)."""
+        self._get_topology()  # the process groups exist before this one, in the same order on every rank
+        return global_point_group(self.args.sync_timeout_seconds)
+
+    def wait_for_all_ranks(self, point: str) -> None:
+        """
+        Wait until every rank has reached `point` (a global point, e.g. the end of the job), at most
+        `sync_timeout_seconds`; then raise `PeerTimeoutError` naming the point and the ranks that did not arrive.
+        Every rank must call it, in the same order as the trainer's other global points.
+        """
+        wait_for_all_ranks(self._global_points, point, self.args.sync_timeout_seconds)
+
+    @contextlib.contextmanager
+    def _bounded_trainer_barrier(self, point: str) -> Iterator[None]:
+        """Inside, the Trainer's own `dist.barrier()` (while saving with a tracked best metric) is one of ours: bounded
+        by `sync_timeout_seconds` and naming the ranks that do not arrive, instead of silence until `ddp_timeout`."""
+        original = dist.barrier
+
+        def barrier(*args, **kwargs):
+            if args or kwargs:  # a barrier on a particular group is not the Trainer's
+                return original(*args, **kwargs)
+            return self.wait_for_all_ranks(f"the Trainer's barrier in {point}")
+
+        dist.barrier = barrier
+        try:
+            yield
+        finally:
+            dist.barrier = original
+
+    def _run_was_finished(self, checkpoint: str) -> bool:
+        state = read_trainer_state(checkpoint)
+        if self.args.max_steps > 0:
+            return state["global_step"] >= self.args.max_steps
+        # An epoch-based run: finished if it reached its last step and this run asks for no more epochs.
+        return state["global_step"] >= state.get("max_steps", 0) > 0 and (
+            self.args.num_train_epochs <= state.get("num_train_epochs", 0)
+        )
+
+    def _leave_finished_run(self, checkpoint: str) -> TrainOutput:
+        """Resuming at or past the last step: load the checkpoint's weights (theta_g, or the best checkpoint's with
+        `load_best_model_at_end`, as the finished run ended with), train and write nothing."""
+        self.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        best = self.state.best_model_checkpoint
+        use_best = self.args.load_best_model_at_end and best is not None and os.path.isdir(best)
+        self._load_from_checkpoint(best if use_best else checkpoint)
+        self._model_is_global = True
+        self.resumed_a_finished_run = True
+        if self.is_world_process_zero():
+            logger.warning(
+                f"{checkpoint} is at step {self.state.global_step} and this run ends at step "
+                f"{self.args.max_steps if self.args.max_steps > 0 else self.state.max_steps}: the run has already "
+                "finished. Nothing is trained, and nothing in the output folder is written or deleted; trainer.model "
+                "holds the checkpoint's global weights. To train further raise max_steps; to train a new model use "
+                "another output_dir."
+            )
+        losses = [entry["loss"] for entry in self.state.log_history if "loss" in entry]
+        return TrainOutput(self.state.global_step, sum(losses) / len(losses) if losses else float("nan"), {})
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        # Rotation is postponed until the new checkpoint is complete, so a crash while saving never leaves only a
-        # half-written checkpoint behind.
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # every rank has written its files
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        name = os.path.basename(folder)
         if self.args.should_save:
-            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
-
-            run_dir = self._get_output_dir(trial=trial)
-            write_manifest(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # nobody resumes or rotates against a checkpoint still being published
+            make_way_for_checkpoint(folder)  # a refused checkpoint in the way is moved aside, never written over
+        self.wait_for_all_ranks(f"the start of saving {name}")
+        # Rotation is postponed until the new checkpoint is complete, and then deletes only complete checkpoints.
+        limit = self.args.save_total_limit
+        try:
+            with _attribute(self.args, "save_total_limit", None), self._bounded_trainer_barrier(f"saving {name}"):
+                super()._save_checkpoint(model, trial)
+            self.wait_for_all_ranks(f"the end of writing {name} (every rank's files written)")
+            if self.args.should_save:
+                write_manifest(folder)
+        except PeerTimeoutError:
+            raise
+        except Exception as error:
+            raise save_failure(folder, error, self.args.process_index) from error
+        if self.args.should_save:
+            rotate_checkpoints(run_dir, limit, keep=[self.state.best_model_checkpoint])
+        # Nobody resumes or rotates against a checkpoint still being published.
+        self.wait_for_all_ranks(f"the publication of {name} (its manifest written)")
 
     # ---- engine lifecycle ----
 
@@ -309,7 +502,16 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             self.diloco.close()
             self._copy_global_parameters_into_model()
             self._model_is_global = True
-        return super()._finalize_training(trial, num_train_samples, start_time)
+        # The Trainer's end-of-training clean-up (save_total_limit=1 with a best model) would delete every other
+        # checkpoint, refused ones included: only complete ones are deleted, here.
+        limit = self.args.save_total_limit
+        with _attribute(self.args, "save_total_limit", None):
+            output = super()._finalize_training(trial, num_train_samples, start_time)
+        if self.args.should_save and limit == 1 and self.state.best_model_checkpoint is not None:
+            rotate_checkpoints(
+                self._get_output_dir(trial), 1, keep=[self.state.best_model_checkpoint], keep_newest=False
+            )
+        return output
 
     @torch.no_grad()
     def _copy_global_parameters_into_model(self) -> None:
@@ -536,14 +738,16 @@ class DiLoCoTrainer(PipelineTrainerMixin, Trainer):
             if any(name.startswith("diloco_state_rank") for name in os.listdir(checkpoint)):
                 raise FileNotFoundError(
                     f"{path} is missing: the checkpoint was written by a run with a different number of processes "
-                    f"(this run has {self.args.world_size}); resume with the same number."
+                    f"(this run has {self.args.world_size}); resume with the same number, or start a new run in "
+                    "another --output_dir."
                 )
             logger.warning(f"{checkpoint} has no DiLoCo state: starting the outer loop afresh from its weights.")
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state["world_size"] != self.args.world_size:
             raise ValueError(
-                f"{checkpoint} was written by {state['world_size']} processes, this run has {self.args.world_size}."
+                f"{checkpoint} was written by {state['world_size']} processes, this run has {self.args.world_size}: "
+                f"resume with {state['world_size']} processes, or start a new run in another --output_dir."
             )
         self.diloco.load_state_dict(state["engine"])
         with torch.no_grad():
@@ -721,6 +925,13 @@ def _dataset_name(dataset: str | list[str] | None, dataset_args: str | list[str]
     return ", ".join(
         f"{name} ({config})" if config else name for name, config in zip(names, configs + [""] * len(names))
     )
+
+
+def _length(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def _describe_dataset(dataset: Any) -> str:

@@ -24,9 +24,10 @@ ADAPTIVE_DENSE_SIGN = dict(SIGN_EF, lowrank_rank=4, adaptive_compression=True, a
 def tiny_llama(
     vocab: int, layers: int, max_positions: int, heads: int = 4, kv_heads: int = 2, seed: int = 0, **config_kwargs
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama with hidden size 32 (the tiny model every distributed test trains)."""
+    """A randomly initialised Llama with hidden size 32 (the tiny model every distributed test trains); any other
+    `LlamaConfig` setting, these defaults included, comes from `config_kwargs`."""
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    values = dict(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
@@ -34,9 +35,9 @@ def tiny_llama(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
-        **config_kwargs,
     )
-    return LlamaForCausalLM(config)
+    values.update(config_kwargs)
+    return LlamaForCausalLM(LlamaConfig(**values))
 
 
 def tiny_model(seed: int = 0, layers: int = LAYERS) -> LlamaForCausalLM:

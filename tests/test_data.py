@@ -13,15 +13,18 @@ from hf_diloco.data import (
     build_tokenizer,
     check_enough_blocks,
     check_vocab,
+    dataset_fingerprint,
+    load_or_train_tokenizer,
     load_text_dataset,
     model_positions,
     set_model_max_length,
     split_files,
     stdlib_corpus_files,
     tokenize_and_group,
+    tokenizer_fingerprint,
     train_bpe_tokenizer,
 )
-from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model
+from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model, build_model_config, check_block_size
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -264,3 +267,110 @@ def test_tokenizer_max_length_comes_from_the_model_positions(tmp_path):
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
     assert reloaded.model_max_length == 64
     assert len(reloaded("x " * 1600, truncation=True)["input_ids"]) == 64
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"", r"The data file .*corpus\.txt is empty \(data\.data_files\)"),
+        (b"\n  \n\n", r"The data file .*corpus\.txt is empty"),
+        (b"text\x00\x01\x02binary" * 10, r"corpus\.txt is not UTF-8 text \(a NUL byte at byte 4\); it looks binary"),
+        ("caf\u00e9".encode("latin-1") + b" au lait\n", r"corpus\.txt is not UTF-8 text \(byte 3: invalid"),
+    ],
+    ids=["empty", "blank", "binary", "latin-1"],
+)
+def test_an_empty_or_binary_corpus_file_is_named_before_loading(tmp_path, content, expected):
+    (tmp_path / "good.txt").write_text("a line of text\n" * 20)
+    (tmp_path / "corpus.txt").write_bytes(content)
+    with pytest.raises(ValueError, match=expected):
+        load_text_dataset({"path": "text", "data_files": [str(tmp_path / "good.txt"), str(tmp_path / "corpus.txt")]})
+    with pytest.raises(ValueError, match=expected):  # found through a glob and a split mapping too
+        load_text_dataset({"path": "text", "data_files": {"train": str(tmp_path / "*.txt")}})
+
+
+def test_rows_without_text_are_named_before_tokenizing(tmp_path):
+    rows = [{"text": f"document {i}"} for i in range(20)]
+    rows[7]["text"] = None
+    rows[12]["text"] = None
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(row) for row in rows))
+    with pytest.raises(ValueError, match=r"2 of 20 rows of the train split \(data.path='json'.*corpus\.jsonl.*\) have "
+                       r"no text \(null in column 'text'\); the first is row 7\. Remove or fill"):  # fmt: skip
+        load_text_dataset({"path": "json", "data_files": str(path)})
+    path.write_text("\n".join(json.dumps({"text": i}) for i in range(20)))
+    with pytest.raises(ValueError, match=r"Column 'text' of the train split .* holds int64, not text"):
+        load_text_dataset({"path": "json", "data_files": str(path)})
+
+
+def test_misspelt_model_config_keys_are_named_with_the_closest_valid_one(tmp_path):
+    with pytest.raises(ValueError, match=r"'hiden_size' \(did you mean 'hidden_size'\?\).*LlamaConfig"):
+        build_model({"config": {**TINY_LLAMA, "hiden_size": 64}}, 300)
+    with pytest.raises(ValueError, match=r"'n_positon' \(did you mean 'n_positions'\?\)"):
+        build_model({"config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positon": 8}}, 300)
+    with pytest.raises(ValueError, match=r"model_type 'lama'\. Did you mean 'llama'\?"):
+        build_model({"config": {**TINY_LLAMA, "model_type": "lama"}}, 300)
+    build_model({"config": TINY_LLAMA}, 300).config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"'num_hiden_layers' \(did you mean 'num_hidden_layers'\?\)"):
+        build_model({"config_name": str(tmp_path), "config": {"num_hiden_layers": 1}}, 300)
+    # Names the config class converts (legacy rope keys) and aliases of an attribute_map are valid.
+    legacy = build_model_config({"config": {**TINY_LLAMA, "rope_theta": 5e5}}, 300)
+    assert legacy.rope_parameters["rope_theta"] == 5e5
+    alias = build_model_config({"config": {"model_type": "gpt2", "hidden_size": 48, "n_head": 2}}, 300)
+    assert alias.n_embd == 48
+
+
+def test_blocks_longer_than_the_models_positions_are_refused():
+    check_block_size(64, build_model_config({"config": TINY_LLAMA}, 300))
+    with pytest.raises(ValueError, match=r"data.block_size is 65 tokens but the model has only 64 positions "
+                       r"\(`max_position_embeddings` of its 'llama' config\)\. Lower `data.block_size` to at most 64"):  # fmt: skip
+        check_block_size(65, build_model_config({"config": TINY_LLAMA}, 300))
+    gpt2 = build_model_config({"config": {"model_type": "gpt2", "n_embd": 32, "n_positions": 16, "n_head": 2}}, 300)
+    with pytest.raises(ValueError, match=r"only 16 positions \(`n_positions` of its 'gpt2' config\)"):
+        check_block_size(32, gpt2)
+
+
+def test_the_runs_tokenizer_is_trained_once_and_never_retrained(tmp_path):
+    folder = tmp_path / "out" / "tokenizer"
+    folder.parent.mkdir()
+    spec = {"vocab_size": 300}
+    first = load_or_train_tokenizer(folder, spec, DOCS * 3)
+    assert (folder / "tokenizer.json").is_file() and not list(folder.parent.glob(".tokenizer.tmp-*"))
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    # A resume with other data: the saved tokenizer, not a new one; nothing is written.
+    other_texts = ["zzzz qqqq " * 50, "completely different words"] * 10
+    again = load_or_train_tokenizer(folder, spec, other_texts)
+    assert again.get_vocab() == first.get_vocab()
+    assert tokenizer_fingerprint(again) == tokenizer_fingerprint(first)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == files
+    assert tokenizer_fingerprint(train_bpe_tokenizer(other_texts, vocab_size=300, show_progress=False)) != (
+        tokenizer_fingerprint(first)
+    )
+    with pytest.raises(ValueError, match=r"trained with `tokenizer:` \{'vocab_size': 300\}, but the config now says "
+                       r"\{'vocab_size': 512\}.*another --output_dir"):  # fmt: skip
+        load_or_train_tokenizer(folder, {"vocab_size": 512}, DOCS)
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    vocab = saved["model"]["vocab"]
+    first_token, last_token = min(vocab, key=vocab.get), max(vocab, key=vocab.get)
+    vocab[first_token], vocab[last_token] = vocab[last_token], vocab[first_token]  # two ids swapped
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="changed after this run trained them"):
+        load_or_train_tokenizer(folder, spec, DOCS)
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    with pytest.raises(ValueError, match=r"holds no tokenizer trained by this run.*tokenizer: path:"):
+        load_or_train_tokenizer(stray, spec, DOCS)
+
+
+def test_dataset_fingerprint_follows_the_blocks(tokenizer):
+    from datasets import Dataset
+
+    blocks = tokenize_and_group(Dataset.from_dict({"text": DOCS * 5}), tokenizer, block_size=7)
+    assert dataset_fingerprint(blocks) == dataset_fingerprint(Dataset.from_dict(blocks.to_dict()))
+    assert dataset_fingerprint(blocks) != dataset_fingerprint(blocks.select(range(len(blocks) - 1)))
+    changed = blocks.to_dict()
+    changed["input_ids"][0] = [0] * 7
+    assert dataset_fingerprint(blocks) != dataset_fingerprint(Dataset.from_dict(changed))
+    assert dataset_fingerprint(blocks.select([])) == dataset_fingerprint(blocks.select([]))

@@ -27,10 +27,11 @@ def main() -> None:
     cli = parser.parse_args()
 
     from datasets import Dataset
-    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, default_data_collator
+    from transformers import TrainerCallback, default_data_collator
 
     from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
     from hf_diloco.checkpointing import last_complete_checkpoint
+    from tests.engine_common import tiny_llama
 
     args = DiLoCoTrainingArguments(
         output_dir=cli.output_dir,
@@ -52,17 +53,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (96, 16), generator=generator)
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(128, layers=2, max_positions=32, heads=2, kv_heads=2)
     marker = Path(cli.output_dir) / "killed_once"
     step_log = Path(cli.output_dir) / f"steps_rank{rank}.log"
 
