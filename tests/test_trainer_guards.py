@@ -103,7 +103,7 @@ def test_resuming_at_the_last_step_trains_and_writes_nothing(sequence):
 
 @pytest.mark.timeout(600)
 def test_checkpoints_that_all_fail_to_verify_stop_the_run_and_are_never_lost(sequence):
-    """optimizer.pt truncated in every checkpoint (weights intact): resume_from_checkpoint=True and the main job's
+    """scheduler.pt truncated in every checkpoint (weights intact): resume_from_checkpoint=True and the main job's
     auto-resume both stop with an error naming the folder, the problem and the ways out, before any step and without
     touching a file; starting over knowingly (with save_total_limit=1) moves them aside instead of deleting them."""
     base, results = sequence
@@ -117,7 +117,7 @@ def test_checkpoints_that_all_fail_to_verify_stop_the_run_and_are_never_lost(seq
                 str(run),
                 "checkpoint-4",
                 "checkpoint-8",
-                "optimizer.pt",
+                "scheduler.pt",
                 "--output_dir",
                 "--auto_resume false",
             ):

@@ -156,11 +156,11 @@ def sequence(base: Path, rank: int) -> dict[str, Any]:
     results["other_model"] = attempt(lambda: trainer.train(resume_from_checkpoint=True))
     results["other_model"]["unchanged"] = snapshot(run) == before
 
-    # Only optimizer.pt of each checkpoint is truncated; the weights are intact.
+    # Only scheduler.pt of each checkpoint is truncated; the weights are intact.
     dist.barrier()
     if rank == 0:
         for step in (SAVE_STEPS, MAX_STEPS):
-            path = run / f"checkpoint-{step}" / "optimizer.pt"
+            path = run / f"checkpoint-{step}" / "scheduler.pt"
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     dist.barrier()
     before = snapshot(run)
