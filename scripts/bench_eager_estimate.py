@@ -59,7 +59,8 @@ BLOCKING_COLUMNS = {
 
 def scaled_per_parameter(sizes, vector, own, average, workers: int | None):
     """`vector` with each parameter's values (`sizes`: values per piece) times the least-squares w of `average` on
-    `own` over that parameter, clipped to [1/M, 1] as the engine does (`workers` = M), or not clipped (`workers` None)."""
+    `own` over that parameter, clipped to [1/M, 1] as the engine does (`workers` = M), or not clipped (`workers`
+    None)."""
     from hf_diloco.core.overlap import fitted_estimate_weight
 
     scaled = vector.detach().clone()

@@ -66,9 +66,10 @@ def check_workers_agree(
     extra_fingerprint: str,
     timeout_seconds: float,
 ) -> None:
-    """Raise on every rank when ranks disagree on the wire format, the DiLoCo settings, the caller's `extra_fingerprint`
-    (e.g. training schedule, tokenizer, data) or, among the ranks of one pipeline stage, the model's parameter
-    `shapes` or its `settings` (`model_settings`). One all-gather of a few integers; nothing when alone."""
+    """Raise on every rank when ranks disagree on the wire format, the DiLoCo settings, the caller's
+    `extra_fingerprint` (e.g. training schedule, tokenizer, data) or, among the ranks of one pipeline stage, the
+    model's parameter `shapes` or its `settings` (`model_settings`). One all-gather of a few integers; nothing when
+    alone."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     group = topology.control_group

@@ -359,9 +359,9 @@ class DiLoCoConfig:
     def short_run_warning(self, total_inner_steps: int) -> str | None:
         """A warning when the outer momentum remembers more outer rounds than half of the run has, else None.
 
-        The outer momentum's memory is about 1 / (1 - outer_momentum) rounds (10 at the paper's 0.9). In a run with only
-        a few outer rounds the early, large pseudo-gradients then keep pushing theta_g long after the inner learning rate
-        has decayed; BENCHMARKS.md measures this on a small model (loss parity).
+        The outer momentum's memory is about 1 / (1 - outer_momentum) rounds (10 at the paper's 0.9). In a run with
+        only a few outer rounds the early, large pseudo-gradients then keep pushing theta_g long after the inner
+        learning rate has decayed; BENCHMARKS.md measures this on a small model (loss parity).
         """
         rounds = total_inner_steps // self.inner_steps
         memory = round(1.0 / (1.0 - self.outer_momentum), 6)  # 1 / (1 - 0.9) is 10.000000000000002
@@ -370,8 +370,8 @@ class DiLoCoConfig:
         return (
             f"outer_momentum={self.outer_momentum:g} remembers about {memory:.0f} outer rounds, but this run has only "
             f"{rounds} ({total_inner_steps} inner steps / inner_steps={self.inner_steps}). Short runs like this reached "
-            "a lower loss with outer_momentum <= 0.5 (outer_lr 0.7-1.0) in BENCHMARKS.md (loss parity); the paper's 0.9 "
-            "suits runs of many more rounds."
+            "a lower loss with outer_momentum <= 0.5 (outer_lr 0.7-1.0) in BENCHMARKS.md (loss parity); the paper's "
+            "0.9 suits runs of many more rounds."
         )
 
     @classmethod

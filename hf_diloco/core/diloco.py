@@ -246,7 +246,8 @@ class DiLoCo:
         self.rounds.publish(record)
 
     def _description(self, what: str, fragment: Fragment) -> str:
-        return f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {self.topology.outer_peers()}"
+        peers = self.topology.outer_peers()
+        return f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {peers}"
 
     def _launch_context(self, fragment: Fragment) -> dict:
         """What an adaptive policy needs to know about this launch (how much compute the exchange can hide behind)."""

@@ -15,10 +15,10 @@ sends the same payload to every worker); each rank decodes all of them and sums 
 average is then quantized once instead of twice (the requantization of step 3 has no error feedback), at
 `(M - 1) x encoded shard` bytes per rank instead of `2 (M - 1) x encoded chunk`: the same bytes for M = 2, M / 2 times
 more beyond. With `sign`, whose requantization loses a third of the energy, that halves its loss cost (BENCHMARKS.md,
-compression). With `entropy_coding`, every encoded payload that crosses workers is deflated when that makes it shorter (zlib level 1, in
-1 MiB pieces that a thread pool compresses in parallel, each piece's length in front), after an exchange of the
-payload lengths (M int64 per all_to_all); a payload whose length equals the encoded size arrived raw. Decoding sees
-the same bytes either way, so the result is bitwise the same. Then the D ranks of a worker all-gather their averaged
+compression). With `entropy_coding`, every encoded payload that crosses workers is deflated when that makes it
+shorter (zlib level 1, in 1 MiB pieces that a thread pool compresses in parallel, each piece's length in front),
+after an exchange of the payload lengths (M int64 per all_to_all); a payload whose length equals the encoded size
+arrived raw. Decoding sees the same bytes either way, so the result is bitwise the same. Then the D ranks of a worker all-gather their averaged
 shards over the fast intra-worker link. All of it runs in one background thread per engine, in launch order, so
 training continues while it is in flight.
 

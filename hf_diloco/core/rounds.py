@@ -2,7 +2,8 @@
 take the outer step, and tell the observers.
 
 Every worker decodes the same bytes, so every worker holds the same average and takes the same decision: a rejected
-round leaves θg and the outer optimizer as they were on every worker alike (invariant 1 of docs/design.md holds through rejections).
+round leaves θg and the outer optimizer as they were on every worker alike (invariant 1 of docs/design.md holds
+through rejections).
 
 - A non-finite average (some worker produced NaN/inf) is rejected; this worker also drops the inner optimizer state
   of the fragment's parameters that is itself non-finite (Adam moments poisoned by the NaN would keep producing it).
