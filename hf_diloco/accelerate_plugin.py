@@ -38,8 +38,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +46,13 @@ import torch
 from torch import nn
 
 from .config import DiLoCoConfig
+from .core.config import ENV_PREFIX  # noqa: F401
 from .core.diloco import DiLoCo
 from .core.topology import Topology
 from .monitoring import ComputeUtilization
 from .run_summary import check_processes_joined, run_summary
 
-ENV_PREFIX = "DILOCO_"
 STATE_NAME = "diloco_state_rank{rank}.pt"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +75,9 @@ class DiLoCoPlugin(DiLoCoConfig):
 
     Raises:
         `ValueError`: a variable does not parse as its field's type (the message names the variable and the field),
-            a `DILOCO_*` variable names no field, or a value is invalid (the message names the field and where its
-            value came from). Raised before any process group or model work.
+            a `DILOCO_*` variable or a YAML key names no field (the message names the closest one), or a value is
+            invalid (the message names the field and where its value came from). Raised before any process group or
+            model work.
 
     Attributes:
         engine (`DiLoCo` or `None`): the engine, once [`~DiLoCoPlugin.prepare`] has run.
@@ -89,24 +88,11 @@ class DiLoCoPlugin(DiLoCoConfig):
     def __init__(
         self, *, yaml_file: str | Path | None = None, environ: Mapping[str, str] | None = None, **fields: Any
     ) -> None:
-        names = [f.name for f in dataclasses.fields(DiLoCoConfig)]
-        unknown = set(fields) - set(names)
-        if unknown:
-            raise TypeError(f"DiLoCoPlugin got unknown field(s) {sorted(unknown)}; the fields are {names}.")
-        layers = [
-            (fields, lambda name: "argument"),
-            (_values_from_env(os.environ if environ is None else environ), lambda name: _env_name(name)),
-            (_values_from_yaml(yaml_file), lambda name: str(yaml_file)),
-        ]
-        self.sources: dict[str, str] = {}
-        for field in dataclasses.fields(DiLoCoConfig):
-            value, source = field.default, "default"
-            for values, describe in layers:
-                if field.name in values:
-                    value, source = values[field.name], describe(field.name)
-                    break
-            setattr(self, field.name, value)
-            self.sources[field.name] = source
+        values, self.sources = DiLoCoConfig.layered_fields(
+            fields, os.environ if environ is None else environ, yaml_file
+        )
+        for name, value in values.items():
+            setattr(self, name, value)
         self.engine: DiLoCo | None = None
         self._accelerator = None
         self._utilization: ComputeUtilization | None = None
@@ -320,58 +306,6 @@ class DiLoCoPlugin(DiLoCoConfig):
         return self._accelerator.num_processes
 
 
-def _env_name(field: str) -> str:
-    return ENV_PREFIX + field.upper()
-
-
-def _values_from_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    types = typing.get_type_hints(DiLoCoConfig)
-    by_variable = {_env_name(f.name): f.name for f in dataclasses.fields(DiLoCoConfig)}
-    unknown = sorted(k for k in environ if k.startswith(ENV_PREFIX) and k not in by_variable)
-    if unknown:
-        raise ValueError(f"Unknown DiLoCo environment variable(s) {unknown}: the variables are {sorted(by_variable)}.")
-    values = {}
-    for variable, field in by_variable.items():
-        if variable in environ:
-            values[field] = _parse(variable, field, environ[variable], types[field])
-    return values
-
-
-def _parse(variable: str, field: str, text: str, kind: type) -> Any:
-    raw = text.strip()
-    if kind is bool:
-        if raw.lower() in _TRUE:
-            return True
-        if raw.lower() in _FALSE:
-            return False
-        raise ValueError(f"{variable}={text!r}: field {field} is a boolean (true/false, 1/0, yes/no, on/off).")
-    if kind is int:
-        try:
-            return int(raw)
-        except ValueError:
-            raise ValueError(f"{variable}={text!r}: field {field} must be an integer.") from None
-    if kind is float:
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"{variable}={text!r}: field {field} must be a number.") from None
-    return raw
-
-
-def _values_from_yaml(path: str | Path | None) -> dict[str, Any]:
-    """The DiLoCo fields a YAML file sets (flat, or under a `diloco:` key); validated together with the others."""
-    if path is None:
-        return {}
-    import yaml
-
-    data = yaml.safe_load(Path(path).read_text()) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of field names to values, got {type(data).__name__}.")
-    data = data.get("diloco", data)
-    names = {f.name for f in dataclasses.fields(DiLoCoConfig)}
-    return {k: v for k, v in data.items() if k in names}
-
-
 def _planned_steps(max_steps: int | None, accelerator: Any, prepared: tuple) -> tuple[int, str]:
     if max_steps is not None:
         return max_steps, "steps"
@@ -382,7 +316,7 @@ def _planned_steps(max_steps: int | None, accelerator: Any, prepared: tuple) -> 
 
 
 @contextlib.contextmanager
-def _seedable_shuffling(accelerator: Any, objects: tuple) -> typing.Iterator[None]:
+def _seedable_shuffling(accelerator: Any, objects: tuple) -> Iterator[None]:
     """
     While `objects` are prepared: the seedable sampler for shuffled dataloaders, seeded alike on every process.
 

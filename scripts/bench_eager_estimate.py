@@ -13,21 +13,21 @@ r-1 (see the engine's docstring). The script trains the method with bench_comm.p
 
 An eager method: for every round whose true average arrives, the error of both estimates from this worker's own
 Δm^r (whichever the run applies), the fitted weights' overall scale, the error of the Δ~ the run applied (the
-quantity sessions 3-4 measured), and the cosine between consecutive averages.
+quantity measured in-run), and the cosine between consecutive averages.
 
 A blocking DiLoCo method (one fragment, no delay): along its trajectory, what each candidate estimate would have
 missed of every round's average (Δm/M, the stale avg^{r-1}, Δm itself, w·Δm with one w per fragment or per
 parameter, and a per-parameter fit on the round itself, which no worker could make), and the cosine between the
 workers' pseudo-gradients of a round.
 
-The instrumentation wraps engine methods in the worker processes; it does not change what the engine computes.
+The instrumentation is an observer of the engine (`register_round_observer`) in the worker processes: it reads each
+round's record and does not change what the engine computes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import tempfile
@@ -57,13 +57,13 @@ BLOCKING_COLUMNS = {
 }
 
 
-def scaled_per_parameter(engine, fragment: int, vector, own, average, workers: int | None):
-    """`vector` with each parameter's values times the least-squares w of `average` on `own` over that parameter,
-    clipped to [1/M, 1] as the engine does (`workers` = M), or not clipped at all (`workers` None)."""
-    from hf_diloco.core.diloco import fitted_estimate_weight
+def scaled_per_parameter(sizes, vector, own, average, workers: int | None):
+    """`vector` with each parameter's values (`sizes`: values per piece) times the least-squares w of `average` on
+    `own` over that parameter, clipped to [1/M, 1] as the engine does (`workers` = M), or not clipped (`workers`
+    None)."""
+    from hf_diloco.core.overlap import fitted_estimate_weight
 
     scaled = vector.detach().clone()
-    sizes = [math.prod(shape) for shape in engine._piece_shapes(fragment)]
     for out, mine, mean in zip(scaled.split(sizes), own.split(sizes), average.split(sizes)):
         if workers is None:
             weight = float(mine @ mean) / max(float(mine @ mine), 1e-30)
@@ -82,46 +82,42 @@ def _cosine(a, b) -> float:
 
 
 def recording_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
+    """An eager run, with every round's estimates scored against its true average (an observer of the engine)."""
     import bench_comm
 
-    from hf_diloco import DiLoCo
+    from hf_diloco.core.stats import register_round_observer
 
     records: list[dict] = []
-    launched: dict[int, dict] = {}  # fragment -> this round's own Δm, w·Δm and the applied Δ~
+    last_round: dict = {}  # fragment -> the RoundRecord of its previous round
     previous_average: dict[int, torch.Tensor] = {}
-    eager_estimate, finish_round = DiLoCo._eager_estimate, DiLoCo._finish_round
 
-    def recording_eager_estimate(self, fragment, delta, previous, average):
-        applied, weights = eager_estimate(self, fragment, delta, previous, average)
-        if average is not None:  # a first round's Δ~ = Δm / M is not meant as an estimate of the average
-            own = delta.detach().clone()
-            fitted = scaled_per_parameter(self, fragment, own, previous.sent, average, self.topology.num_workers)
-            launched[fragment] = {
-                "own": own,
-                "fitted": fitted,
-                "weight": float(fitted.norm() / own.norm().clamp_min(1e-30)),
-                "applied": applied.detach().clone(),
-            }
-        return applied, weights
+    def observe(record) -> None:
+        if record.final:
+            return
+        fragment, average, before = record.fragment, record.average, last_round.get(record.fragment)
+        last_round[fragment] = record
+        if average is None:
+            return
+        row = {"step": record.step, "fragment": fragment, "average_norm": float(average.norm())}
+        # The round's launch applied an estimate built on the previous average (the record of that previous round
+        # carries it); a first or restarted round's Δ~ = Δm / M is not meant as an estimate of the average.
+        if before is not None and before.average is not None:
+            own, workers = record.sent.detach().clone(), record.workers
+            fitted = scaled_per_parameter(record.piece_sizes, own, before.sent, before.average, workers)
+            row["own_share_error"] = _relative_error(own / workers, average)
+            row["fitted_error"] = _relative_error(fitted, average)
+            row["fitted_weight"] = float(fitted.norm() / own.norm().clamp_min(1e-30))
+            row["applied_error"] = _relative_error(before.estimate, average)
+        if fragment in previous_average:
+            row["consecutive_cosine"] = _cosine(previous_average[fragment], average)
+        records.append(row)
+        previous_average[fragment] = average.detach().clone()
 
-    def recording_finish_round(self, fragment, flight):
-        average = finish_round(self, fragment, flight)
-        round_, before = launched.pop(fragment, None), previous_average.get(fragment)
-        if average is not None:
-            row = {"step": self.inner_step, "fragment": fragment, "average_norm": float(average.norm())}
-            if round_ is not None:
-                row["own_share_error"] = _relative_error(round_["own"] / self.topology.num_workers, average)
-                row["fitted_error"] = _relative_error(round_["fitted"], average)
-                row["fitted_weight"] = round_["weight"]
-                row["applied_error"] = _relative_error(round_["applied"], average)
-            if before is not None:
-                row["consecutive_cosine"] = _cosine(before, average)
-            records.append(row)
-            previous_average[fragment] = average.detach().clone()
-        return average
-
-    DiLoCo._eager_estimate, DiLoCo._finish_round = recording_eager_estimate, recording_finish_round
-    result = bench_comm.worker(rank, world, method, args, folder)
+    handle = register_round_observer(observe)
+    try:
+        result = bench_comm.worker(rank, world, method, args, folder)
+    finally:
+        handle.remove()
     result["rounds"] = records
     return result
 
@@ -134,47 +130,43 @@ def recording_blocking_worker(rank: int, world: int, method: str, args: argparse
     import bench_comm
     import torch.distributed as dist
 
-    from hf_diloco import DiLoCo
-    from hf_diloco.core.diloco import fitted_estimate_weight
+    from hf_diloco.core.overlap import fitted_estimate_weight
+    from hf_diloco.core.stats import register_round_observer
 
     records: list[dict] = []
-    sent: dict[int, torch.Tensor] = {}
     before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fragment -> last round's (own Δm, average)
-    pseudo_gradient, finish_round = DiLoCo._pseudo_gradient, DiLoCo._finish_round
 
-    def recording_pseudo_gradient(self, fragment):
-        delta = pseudo_gradient(self, fragment)
-        sent[fragment] = delta.detach().clone()
-        return delta
-
-    def recording_finish_round(self, fragment, flight):
-        average = finish_round(self, fragment, flight)
-        own, workers = sent.pop(fragment), self.topology.num_workers
+    def observe(record) -> None:
+        if record.final:
+            return
+        own, workers, fragment, average = record.sent.detach().clone(), record.workers, record.fragment, record.average
         everyone = [torch.zeros_like(own) for _ in range(world)]
         dist.all_gather(everyone, own)
         if average is None:
-            return average
-        row = {"step": self.inner_step, "fragment": fragment, "average_norm": float(average.norm())}
+            return
+        row = {"step": record.step, "fragment": fragment, "average_norm": float(average.norm())}
         pairs = [(a, b) for i, a in enumerate(everyone) for b in everyone[i + 1 :]]
         row["workers_cosine"] = sum(_cosine(a, b) for a, b in pairs) / len(pairs)
         row["own_share_error"] = _relative_error(own / workers, average)
         row["own_error"] = _relative_error(own, average)
-        oracle = scaled_per_parameter(self, fragment, own, own, average, None)
+        oracle = scaled_per_parameter(record.piece_sizes, own, own, average, None)
         row["oracle_error"] = _relative_error(oracle, average)
         if fragment in before:
             last_own, last_average = before[fragment]
             row["stale_error"] = _relative_error(last_average, average)
             whole = fitted_estimate_weight(last_own, last_average, workers)
             row["fragment_fit_error"] = _relative_error(whole * own, average)
-            fitted = scaled_per_parameter(self, fragment, own, last_own, last_average, workers)
+            fitted = scaled_per_parameter(record.piece_sizes, own, last_own, last_average, workers)
             row["fitted_error"] = _relative_error(fitted, average)
             row["consecutive_cosine"] = _cosine(last_average, average)
         records.append(row)
         before[fragment] = (own, average.detach().clone())
-        return average
 
-    DiLoCo._pseudo_gradient, DiLoCo._finish_round = recording_pseudo_gradient, recording_finish_round
-    result = bench_comm.worker(rank, world, method, args, folder)
+    handle = register_round_observer(observe)
+    try:
+        result = bench_comm.worker(rank, world, method, args, folder)
+    finally:
+        handle.remove()
     result["rounds"] = records
     return result
 

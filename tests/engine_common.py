@@ -1,6 +1,6 @@
 """Shared pieces of the engine tests: a tiny HF model, per-worker data, and an independent reference loop.
 
-The reference simulates M workers in one process with plain torch and implements DESIGN.md's update rules
+The reference simulates M workers in one process with plain torch and implements the update rules of docs/design.md
 directly (its own fragment assignment, its own Nesterov arithmetic); it never calls hf_diloco.
 """
 
@@ -93,7 +93,7 @@ Unit = tuple[str, int, int]  # (parameter name, first row, end row): what the re
 
 
 def reference_units(shapes: dict[str, tuple], num_fragments: int, pattern: str, layers: int = LAYERS) -> dict:
-    """Unit -> fragment, written from DESIGN.md and the `balanced` rule of the README, independently of hf_diloco."""
+    """Unit -> fragment, written from docs/design.md (`balanced` included), independently of hf_diloco."""
     units: dict[Unit, int] = {}
     fill = [0] * num_fragments
     blocks: dict[int, list[str]] = {}

@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from hf_diloco import DiLoCo, DiLoCoConfig
-from hf_diloco.core.diloco import fitted_estimate_weight
+from hf_diloco.core.overlap import fitted_estimate_weight
 from tests.dist_utils import run_on_processes
 from tests.engine_common import (
     ADAPTIVE_DENSE_SIGN,

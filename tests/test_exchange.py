@@ -16,7 +16,7 @@ from hf_diloco.core.codecs import make_codec
 from hf_diloco.core.exchange import OuterExchange, OuterSyncError, _deflate, _inflate
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
-from tests.engine_common import INNER_LR, inner_step, tiny_model, train_engine
+from tests.engine_common import INNER_LR, inner_step, tiny_llama, tiny_model, train_engine
 
 CODECS = ["none", "bf16", "fp16", "int8", "fp8", "fp4", "sign"]
 # Relative error of one encode, from the codec bounds (tests/test_codecs.py); the average is encoded twice.
@@ -372,32 +372,52 @@ def _silent_peer_entry(rank: int, port: int, queue) -> None:
     os._exit(0)  # the outer-sync thread may still be blocked in gloo: do not wait for it
 
 
-def _mismatched_start(rank: int, world: int, case: str) -> str:
-    kwargs = {"inner_steps": 4}
-    layers = 4
-    if case == "config" and rank == 1:
-        kwargs["inner_steps"] = 8
-    if case == "compression" and rank == 1:
-        kwargs["compression"] = "fp4"
-    if case == "model" and rank == 1:
-        layers = 2
-    if case == "version" and rank == 1:
-        exchange_module.WIRE_FORMAT += 1  # this process stands for a node with another hf_diloco version
-    try:
-        DiLoCo(tiny_model(layers=layers), None, DiLoCoConfig(**kwargs))
-    except ValueError as error:
-        return str(error)
-    return ""
+def _mismatched_starts(rank: int, world: int, cases: list[str]) -> list[str]:
+    """Start an engine per case (rank 1 differs in what the case names); returns each start's error, "" if none."""
+    messages = []
+    for case in cases:
+        kwargs, layers, model_settings, extra = {"inner_steps": 4}, 4, {}, ""
+        if case == "config" and rank == 1:
+            kwargs["inner_steps"] = 8
+        if case == "compression" and rank == 1:
+            kwargs["compression"] = "fp4"
+        if case == "model" and rank == 1:
+            layers = 2
+        if case == "model_settings" and rank == 1:
+            model_settings = {"hidden_act": "gelu"}  # same shapes, another model
+        if case == "extra" and rank == 1:
+            extra = "tokenizer 2"
+        if case == "version" and rank == 1:
+            exchange_module.WIRE_FORMAT += 1  # this process stands for a node with another hf_diloco version
+        model = tiny_llama(64, layers, 64, heads=2, tie_word_embeddings=False, **model_settings)
+        try:
+            DiLoCo(model, None, DiLoCoConfig(**kwargs), extra_fingerprint=extra)
+            messages.append("")
+        except ValueError as error:
+            messages.append(str(error))
+        finally:
+            if case == "version" and rank == 1:
+                exchange_module.WIRE_FORMAT -= 1
+    return messages
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("case", ["config", "compression", "model", "version"])
-def test_settings_that_differ_between_workers_fail_at_start_on_every_rank(case):
-    messages = run_on_processes(_mismatched_start, 2, case)
-    expected = {"model": "different model shapes", "version": "different outer-exchange wire formats ([2, 3]"}.get(
-        case, "differ between ranks"
-    )
-    assert all(expected in message for message in messages), messages
+MISMATCHES = {
+    "same": "",
+    "config": "differ between ranks",
+    "compression": "differ between ranks",
+    "model": "different model shapes",
+    "model_settings": "models with different configurations for pipeline stage 0",
+    "extra": "The training script's fingerprint differs between ranks (ranks [1]",
+    "version": "different outer-exchange wire formats ([2, 3]",
+}
+
+
+@pytest.mark.timeout(300)
+def test_settings_that_differ_between_workers_fail_at_start_on_every_rank():
+    """Invariant 7: one launch, one start per case; every rank raises the same error (none when all agree)."""
+    for messages in run_on_processes(_mismatched_starts, 2, list(MISMATCHES)):
+        for (case, expected), message in zip(MISMATCHES.items(), messages):
+            assert expected in message and bool(expected) == bool(message), (case, message)
 
 
 def test_checkpoint_with_other_settings_is_refused():

@@ -1,4 +1,4 @@
-"""DiLoCoTrainingArguments and DiLoCoTrainer: argument handling, and DESIGN.md invariants 1, 2, 4 and 5 on real
+"""DiLoCoTrainingArguments and DiLoCoTrainer: argument handling, and docs/design.md invariants 1, 2, 4 and 5 on real
 gloo processes running the real Trainer (tiny Llama, CPU)."""
 
 from __future__ import annotations

@@ -12,12 +12,7 @@ import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# Bits per value on the wire, and a nominal relative squared error of each codec (absmax-scaled blocks of
-# Gaussian-like values; only their order and rough size matter to the policy).
-CODEC_BITS = {"sign": 1, "fp4": 4, "int8": 8, "fp8": 8, "fp16": 16, "bf16": 16, "none": 32}
-# sign: 1 - 2/pi of a Gaussian's energy is lost when only the signs and the mean magnitude are sent.
-CODEC_ERROR = {"sign": 0.36, "fp4": 4e-2, "fp8": 1e-3, "int8": 2e-4, "bf16": 5e-6, "fp16": 1e-7, "none": 0.0}
-_LADDER = ("fp4", "fp8", "bf16", "none")
+from .codecs import CODEC_BITS, CODEC_ERROR, CODECS, COMPRESSIONS
 
 
 @dataclass
@@ -102,9 +97,9 @@ class WindowEnergyPolicy(CompressionPolicy):
     ):
         if not 1 <= min_rank <= max_rank:
             raise ValueError(f"lowrank_min_rank must be in [1, lowrank_rank={max_rank}], got {min_rank}.")
-        unknown = [c for c in compressions if c not in CODEC_BITS]
+        unknown = [c for c in compressions if c not in CODECS]
         if unknown or not compressions:
-            raise ValueError(f"compression must be one of {', '.join(CODEC_BITS)}; got {list(compressions)!r}.")
+            raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}; got {list(compressions)!r}.")
         self.ranks = _rank_ladder(max_rank, min_rank)
         self.compressions = sorted(compressions, key=lambda c: (CODEC_BITS[c], CODEC_ERROR[c]))
         self.energy_threshold = energy_threshold
@@ -174,9 +169,10 @@ def _fullness(rank: int) -> float:
 
 
 def policy_compressions(floor: str) -> list[str]:
-    """Codecs an adaptive run may use when `compression=floor`: `floor` and the ladder fp4 < fp8 < bf16 < none above it."""
-    above = [c for c in _LADDER if CODEC_BITS[c] > CODEC_BITS[floor]]
-    return [floor, *above]
+    """Codecs an adaptive run may use when `compression=floor`: `floor`, then every codec the registry marks as an
+    adaptive step (fp4 < fp8 < bf16 < none) with more bits than it, fewest bits first."""
+    above = [name for name, codec in CODECS.items() if codec.adaptive_step and codec.bits > CODECS[floor].bits]
+    return [floor, *sorted(above, key=CODEC_BITS.__getitem__)]
 
 
 def _rank_ladder(max_rank: int, min_rank: int) -> list[int]:

@@ -53,7 +53,6 @@ import torch
 _FP32_MAX = torch.finfo(torch.float32).max
 _FP32_TINY = 2.0**-126  # smallest normal fp32
 _SCALE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-COMPRESSIONS = ("none", "bf16", "fp16", "int8", "fp8", "fp4", "sign")
 
 
 def _flush_subnormals(values: torch.Tensor) -> torch.Tensor:
@@ -90,11 +89,23 @@ def _largest_scale(qmax: float, scale_dtype: torch.dtype) -> float:
 class Codec:
     """Base codec: lossless fp32 (`compression="none"`).
 
-    Subclasses override `encoded_nbytes`, `encode` and `decode`; the argument checks are shared.
+    Subclasses override `encoded_nbytes`, `encode` and `decode`; the argument checks are shared. Every codec declares
+    what the rest of the package derives from the registry `CODECS`: its `name` (the `compression` value), its `bits`
+    per value on the wire, a `nominal_error` (relative squared error on absmax-scaled blocks of Gaussian-like values;
+    only its order and rough size matter, to the adaptive policy) and whether the adaptive policy may step up to it
+    from a codec of fewer bits (`adaptive_step`).
     """
 
     name = "none"
+    bits = 32
     align = 1
+    nominal_error = 0.0
+    adaptive_step = True
+
+    @classmethod
+    def build(cls, block_size: int, scale_dtype: str) -> Codec:
+        """The codec for `compression=cls.name` (codecs without scale blocks ignore both arguments)."""
+        return cls()
 
     def encoded_nbytes(self, numel: int) -> int:
         """Bytes of the payload that `encode` returns for `numel` values."""
@@ -136,7 +147,9 @@ class BF16Codec(Codec):
     """Round to nearest bf16 (8 significant bits, relative error <= 2^-8); no scales, see the module docstring."""
 
     name = "bf16"
+    bits = 16
     align = 1
+    nominal_error = 5e-6
 
     def encoded_nbytes(self, numel: int) -> int:
         self._check_numel(numel)
@@ -173,6 +186,10 @@ class BlockCodec(Codec, abc.ABC):
         self.scale_nbytes = self.scale_dtype.itemsize
         self.min_scale = _FP32_TINY / self.qmin
         self.max_scale = _largest_scale(self.qmax, self.scale_dtype)
+
+    @classmethod
+    def build(cls, block_size: int, scale_dtype: str) -> Codec:
+        return cls(block_size, scale_dtype)
 
     def __repr__(self) -> str:
         dtype = "bf16" if self.scale_dtype == torch.bfloat16 else "fp32"
@@ -217,6 +234,8 @@ class FP16Codec(BlockCodec):
 
     name = "fp16"
     bits = 16
+    nominal_error = 1e-7
+    adaptive_step = False  # bf16 is the 16-bit step: no scales, fp32's range
     qmax = torch.finfo(torch.float16).max
     qmin = 2.0**-24
 
@@ -232,6 +251,8 @@ class Int8Codec(BlockCodec):
 
     name = "int8"
     bits = 8
+    nominal_error = 2e-4
+    adaptive_step = False  # fp8 is the 8-bit step
     qmax = 127.0
     qmin = 1.0
 
@@ -247,6 +268,7 @@ class FP8Codec(BlockCodec):
 
     name = "fp8"
     bits = 8
+    nominal_error = 1e-3
     qmax = 448.0
     qmin = 2.0**-9
 
@@ -267,6 +289,7 @@ class FP4Codec(BlockCodec):
 
     name = "fp4"
     bits = 4
+    nominal_error = 4e-2
     qmax = 1.0
     qmin = 2.0**-6
     # Midpoints between neighbouring magnitudes 0, 2^-6, ..., 2^0: rounding to nearest in linear space.
@@ -302,6 +325,9 @@ class SignCodec(BlockCodec):
 
     name = "sign"
     bits = 1
+    # 1 - 2/pi of a Gaussian's energy is lost when only the signs and the mean magnitude are sent.
+    nominal_error = 0.36
+    adaptive_step = False  # the fewest bits: only ever a floor
     qmax = 1.0
     qmin = 1.0
     _BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -330,20 +356,21 @@ class SignCodec(BlockCodec):
         return torch.where(negative, -1.0, 1.0).to(torch.float32).view(-1)
 
 
-_CODECS: dict[str, type[BlockCodec]] = {
-    "fp16": FP16Codec,
-    "int8": Int8Codec,
-    "fp8": FP8Codec,
-    "fp4": FP4Codec,
-    "sign": SignCodec,
+# The registry every list of codecs derives from (the config's choices, bits per value, the adaptive ladder). Its
+# order is part of the wire format: an adaptive decision is broadcast as an index into `COMPRESSIONS`.
+CODECS: dict[str, type[Codec]] = {
+    codec.name: codec for codec in (Codec, BF16Codec, FP16Codec, Int8Codec, FP8Codec, FP4Codec, SignCodec)
 }
+COMPRESSIONS = tuple(CODECS)
+CODEC_BITS = {name: codec.bits for name, codec in CODECS.items()}
+CODEC_ERROR = {name: codec.nominal_error for name, codec in CODECS.items()}
 
 
 def make_codec(name: str, block_size: int = 128, scale_dtype: str = "fp32") -> Codec:
     """Build the codec for `compression=name`.
 
     Args:
-        name (`str`): one of `none`, `bf16`, `fp16`, `int8`, `fp8`, `fp4`, `sign`.
+        name (`str`): one of `COMPRESSIONS` (`none`, `bf16`, `fp16`, `int8`, `fp8`, `fp4`, `sign`).
         block_size (`int`): values per scale (`compression_block_size`); must be even for `fp4`, a multiple of 8
             for `sign`.
         scale_dtype (`str`): `fp32` or `bf16`, the dtype of the stored scales (`compression_scale_dtype`).
@@ -352,17 +379,13 @@ def make_codec(name: str, block_size: int = 128, scale_dtype: str = "fp32") -> C
         `ValueError` naming the offending field (`compression`, `compression_block_size`,
         `compression_scale_dtype`).
     """
-    if name not in COMPRESSIONS:
+    if name not in CODECS:
         raise ValueError(f"compression must be one of {', '.join(COMPRESSIONS)}; got {name!r}.")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"compression_block_size must be a positive integer, got {block_size!r}.")
     if scale_dtype not in _SCALE_DTYPES:
         raise ValueError(f"compression_scale_dtype must be one of {', '.join(_SCALE_DTYPES)}; got {scale_dtype!r}.")
-    if name == "none":
-        return Codec()
-    if name == "bf16":
-        return BF16Codec()
-    return _CODECS[name](block_size, scale_dtype)
+    return CODECS[name].build(block_size, scale_dtype)
 
 
 def quantization_residual(codec: Codec, values: torch.Tensor) -> torch.Tensor:

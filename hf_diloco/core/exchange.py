@@ -14,12 +14,11 @@ Quantized values are therefore never summed in low precision, and every worker e
 sends the same payload to every worker); each rank decodes all of them and sums them in fp32 in worker order. The
 average is then quantized once instead of twice (the requantization of step 3 has no error feedback), at
 `(M - 1) x encoded shard` bytes per rank instead of `2 (M - 1) x encoded chunk`: the same bytes for M = 2, M / 2 times
-more beyond. With `sign`, whose requantization loses a third of the energy, that halves its loss cost in
-BENCHMARKS.md section 9. With
-`entropy_coding`, every encoded payload that crosses workers is deflated when that makes it shorter (zlib level 1, in
-1 MiB pieces that a thread pool compresses in parallel, each piece's length in front), after an exchange of the
-payload lengths (M int64 per all_to_all); a payload whose length equals the encoded size arrived raw. Decoding sees
-the same bytes either way, so the result is bitwise the same. Then the D ranks of a worker all-gather their averaged
+more beyond. With `sign`, whose requantization loses a third of the energy, that halves its loss cost (BENCHMARKS.md,
+compression). With `entropy_coding`, every encoded payload that crosses workers is deflated when that makes it
+shorter (zlib level 1, in 1 MiB pieces that a thread pool compresses in parallel, each piece's length in front),
+after an exchange of the payload lengths (M int64 per all_to_all); a payload whose length equals the encoded size
+arrived raw. Decoding sees the same bytes either way, so the result is bitwise the same. Then the D ranks of a worker all-gather their averaged
 shards over the fast intra-worker link. All of it runs in one background thread per engine, in launch order, so
 training continues while it is in flight.
 
@@ -46,9 +45,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..config import EXCHANGE_PATTERNS
 from .adaptive import CompressionPolicy, Observation
 from .codecs import COMPRESSIONS, Codec
+from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
 from .topology import Topology
 
@@ -90,8 +89,27 @@ class PendingExchange:
                 f"{self.description} did not finish within sync_timeout_seconds={self.timeout_seconds:g}s. A peer "
                 "worker has probably died or its link is down; restart from the latest checkpoint."
             ) from error
+        except RuntimeError as error:  # gloo: a peer closed the connection, or no answer within the group's timeout
+            raise OuterSyncError(
+                f"{self.description} failed: {error}. A peer worker has probably died, stopped or lost its link "
+                f"(collectives give up after sync_timeout_seconds={self.timeout_seconds:g}s); restart from the latest "
+                "checkpoint."
+            ) from error
         except Exception as error:
             raise OuterSyncError(f"{self.description} failed: {error}") from error
+
+    @classmethod
+    def run_inline(
+        cls, job: Callable[[], ExchangeResult], description: str, timeout_seconds: float
+    ) -> PendingExchange:
+        """Run `job` on this thread; its failure is raised by `wait()` as an `OuterSyncError`, like a background
+        exchange's. A stalled peer cannot hold it past the gloo groups' timeout (`Topology.from_default_group`)."""
+        future: Future = Future()
+        try:
+            future.set_result(job())
+        except Exception as error:
+            future.set_exception(error)
+        return cls(future, description, timeout_seconds)
 
     @classmethod
     def completed(cls, result: ExchangeResult, description: str = "restored exchange") -> PendingExchange:
@@ -193,9 +211,7 @@ class OuterExchange:
         vector = vector.detach().to(torch.float32).contiguous()
         job = _ExchangeJob(self, vector, compressor, context or {})
         if blocking and self.inline_when_blocking:
-            future: Future = Future()
-            future.set_result(job())
-            return PendingExchange(future, description, self.timeout_seconds)
+            return PendingExchange.run_inline(job, description, self.timeout_seconds)
         if self._worker is None:
             self._worker = _SerialWorker("diloco-outer-sync")
         return PendingExchange(self._worker.submit(job), description, self.timeout_seconds)

@@ -150,3 +150,11 @@ def launch_offset(fragment: int, inner_steps: int, num_fragments: int) -> int:
 
 def fragments_launched_at(step: int, inner_steps: int, num_fragments: int) -> list[int]:
     return [p for p in range(num_fragments) if step % inner_steps == launch_offset(p, inner_steps, num_fragments)]
+
+
+def steps_since_launch(fragment: int, step: int, inner_steps: int, num_fragments: int) -> int:
+    """Inner steps fragment p trained after its last launch (all `step` of them before its first launch): the tail
+    `close()` still has to sync."""
+    offset = launch_offset(fragment, inner_steps, num_fragments)
+    first_launch = offset or inner_steps
+    return step if step < first_launch else (step - offset) % inner_steps

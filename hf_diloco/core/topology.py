@@ -77,6 +77,11 @@ class Topology:
             outer sync's all-gather from its background thread so it never interleaves with DDP's collectives.
         pipeline_group: same worker, same data-parallel index: the stages of one pipeline.
         outer_group: same stage and data-parallel index across workers; the only group that crosses workers.
+        control_group: every rank, on gloo: the engine's start-up check, whose `monitored_barrier` names the ranks
+            that do not arrive.
+
+    `from_default_group` creates the gloo groups (outer, data-parallel sync, control) with `timeout_seconds`, so every
+    collective the engine issues on them fails within that bound instead of the default group's.
     """
 
     def __init__(self, layout: RankLayout, rank: int, groups: dict[str, dist.ProcessGroup | None]):
@@ -88,6 +93,7 @@ class Topology:
         self.pipeline_group = groups.get("pipeline")
         self.outer_group = groups.get("outer")
         self.world_group = groups.get("world")
+        self.control_group = groups.get("control")
         if any(group is not None for group in groups.values()):
             _tear_down_process_groups_at_exit()
             _live_topologies.add(self)
@@ -95,7 +101,7 @@ class Topology:
     def release_groups(self) -> None:
         """Drop this topology's references to its process groups (they must not outlive the interpreter's teardown)."""
         self.worker_group = self.data_parallel_group = self.data_parallel_sync_group = None
-        self.pipeline_group = self.outer_group = self.world_group = None
+        self.pipeline_group = self.outer_group = self.world_group = self.control_group = None
 
     @property
     def num_workers(self) -> int:
@@ -163,6 +169,7 @@ class Topology:
             ],
         }
         candidates["data_parallel_sync"] = candidates["data_parallel"]
+        candidates["control"] = [list(range(layout.world_size))]
         groups: dict[str, dist.ProcessGroup | None] = {"world": dist.group.WORLD}
         for name, rank_lists in candidates.items():
             groups[name] = None
@@ -176,9 +183,9 @@ class Topology:
 
 
 def _backend_for(group_name: str) -> str:
-    # The outer sync moves CPU buffers (the global copy lives off the accelerator) from a background thread,
-    # so its groups are gloo whatever the training backend is.
-    return "gloo" if group_name in ("outer", "data_parallel_sync") else dist.get_backend()
+    # The outer sync moves CPU buffers (the global copy lives off the accelerator) from a background thread, so its
+    # groups are gloo whatever the training backend is; so is the control group (monitored_barrier needs gloo).
+    return "gloo" if group_name in ("outer", "data_parallel_sync", "control") else dist.get_backend()
 
 
 _teardown_registered = False

@@ -1,0 +1,539 @@
+"""`DiLoCoConfig`: every knob of the DiLoCo family, with help text, validation, YAML and environment loading.
+
+Defaults follow the papers: H = 100 inner steps, outer Nesterov SGD with lr 0.7 and momentum 0.9
+(DiLoCo, Douillard et al. 2023, arXiv 2311.08105), strided fragments and alpha = 0.5 merging
+(Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512).
+
+Where a run's values come from: `DiLoCoConfig.from_yaml` (a YAML file), and `DiLoCoConfig.layered_fields`, which
+stacks keyword arguments > `DILOCO_*` environment variables > a YAML file > the defaults and records the source of
+each value (what `DiLoCoPlugin` uses). Both refuse a key or variable that names no field, suggesting the closest one;
+`check_known_keys` does the same for any other mapping the package reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import typing
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .codecs import COMPRESSIONS
+
+ENV_PREFIX = "DILOCO_"
+FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
+OVERLAP_MODES = ("streaming", "delayed", "eager")
+EAGER_ESTIMATES = ("own_share", "fitted")
+EXCHANGE_PATTERNS = ("reduce_scatter", "all_gather")
+SCALE_DTYPES = ("fp32", "bf16")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass
+class DiLoCoConfig:
+    """
+    Configuration of the DiLoCo outer loop.
+
+    Outer loop:
+        inner_steps (`int`): H, inner optimizer steps between two syncs of the same fragment.
+        outer_lr (`float`): learning rate of the outer SGD applied to the averaged pseudo-gradient.
+        outer_momentum (`float`): momentum of the outer SGD.
+        outer_nesterov (`bool`): Nesterov momentum for the outer SGD.
+
+    Streaming (fragments and overlap):
+        num_fragments (`int`): P, fragments of the block stack synced one at a time, every H/P steps.
+        fragment_pattern (`str`): `strided` (block i -> fragment i mod P), `sequential` (contiguous runs) or
+            `balanced` (every fragment 1/P of the model: matrices outside the stack cut into P row pieces, each
+            block to the smallest fragment so far).
+        sync_delay (`int`): tau, inner steps between launching a fragment's exchange and applying it.
+        merge_alpha (`float`): alpha in `local <- alpha * local + (1 - alpha) * global` when tau > 0.
+        overlap (`str`): `streaming` (tau-step overlap), `delayed` (one-round delay) or `eager`.
+        eager_estimate (`str`): what `eager` applies for the round until its average arrives: `own_share` (Kale et
+            al.: this worker's pseudo-gradient / M) or `fitted` (w x this worker's pseudo-gradient, w fitted on the
+            last round that arrived).
+
+    Compression:
+        compression (`str`): codec for the exchanged pseudo-gradient.
+        compression_block_size (`int`): elements per absmax scale block.
+        compression_scale_dtype (`str`): dtype of the per-block scales.
+        error_feedback (`bool`): add what quantization dropped to the next pseudo-gradient.
+        entropy_coding (`bool`): deflate the encoded payload before it crosses workers (lossless, fewer bytes).
+        exchange_pattern (`str`): `reduce_scatter` (quantize, average, requantize, all-gather) or `all_gather`
+            (every worker's quantized vector to every worker: one quantization, same bytes for 2 workers).
+
+    Low-rank and adaptive compression (DiLoCoX):
+        lowrank_rank (`int`): PowerSGD rank of the 2-D pseudo-gradients (0 = off); the largest rank when adaptive.
+        lowrank_min_rank (`int`): the smallest rank the adaptive policy may pick.
+        adaptive_compression (`bool`): let a policy pick rank and codec each sync (`compression` is the fewest bits).
+        adaptive_energy_threshold (`float`): share of the pseudo-gradient's energy the chosen rank should capture.
+        adaptive_link_bytes_per_second (`float`): assumed cross-worker throughput (0 = measure it).
+        adaptive_dense (`bool`): the policy may also send a fragment without factorisation.
+
+    Topology:
+        pipeline_stages (`int`): pipeline stages inside one worker.
+        data_parallel_per_worker (`int`): data-parallel replicas inside one worker (GPUs per node).
+        pipeline_schedule (`str`): micro-batch schedule of the pipeline, `1f1b` or `gpipe`.
+        pipeline_microbatches (`int`): micro-batches each batch is split into for the pipeline.
+
+    Robustness:
+        robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the median norm.
+        divergence_factor (`float`): skip a round whose average's norm exceeds this multiple of the median norm of the
+            fragment's last applied rounds (0 = off).
+        max_skipped_rounds (`int`): stop with an error when this many rounds of one fragment in a row are skipped
+            (non-finite or divergent averages; 0 = never stop).
+
+    Runtime:
+        global_copy_device (`str`): where the fp32 global copy and outer optimizer state live.
+        sync_timeout_seconds (`float`): how long any collective of the engine may wait for a peer before it fails.
+    """
+
+    inner_steps: int = field(default=100, metadata={"help": "H: inner optimizer steps per outer round."})
+    outer_lr: float = field(default=0.7, metadata={"help": "Learning rate of the outer (Nesterov) SGD."})
+    outer_momentum: float = field(default=0.9, metadata={"help": "Momentum of the outer SGD."})
+    outer_nesterov: bool = field(default=True, metadata={"help": "Use Nesterov momentum in the outer SGD."})
+    num_fragments: int = field(
+        default=1, metadata={"help": "P: fragments of the block stack, synced one every H/P steps. 1 = DiLoCo."}
+    )
+    fragment_pattern: str = field(
+        default="strided",
+        metadata={
+            "help": "How blocks map to fragments: strided (block i -> i mod P), sequential (contiguous runs) or "
+            "balanced (every fragment 1/P of the model: embeddings and an untied head cut into P row pieces, each "
+            "block to the smallest fragment so far).",
+            "choices": list(FRAGMENT_PATTERNS),
+        },
+    )
+    sync_delay: int = field(
+        default=0, metadata={"help": "tau: inner steps between a fragment's launch and its apply (< H/P)."}
+    )
+    merge_alpha: float = field(
+        default=0.5, metadata={"help": "alpha: weight of the local parameters when merging with tau > 0."}
+    )
+    overlap: str = field(
+        default="streaming",
+        metadata={"help": "Overlap mode of the outer sync.", "choices": list(OVERLAP_MODES)},
+    )
+    eager_estimate: str = field(
+        default="own_share",
+        metadata={
+            "help": "What overlap=eager applies for a round until its average arrives a round later (then the "
+            "difference is corrected): own_share (Kale et al.: this worker's pseudo-gradient / M) or fitted (w x this "
+            "worker's pseudo-gradient, w in [1/M, 1] the least-squares fit of the last average that arrived on this "
+            "worker's own pseudo-gradient of that round: how much of the average its own progress explains).",
+            "choices": list(EAGER_ESTIMATES),
+        },
+    )
+    compression: str = field(
+        default="none",
+        metadata={"help": "Codec of the exchanged pseudo-gradient.", "choices": list(COMPRESSIONS)},
+    )
+    compression_block_size: int = field(
+        default=128,
+        metadata={"help": "Elements per scale block of the quantizing codecs (even; a multiple of 8 for sign)."},
+    )
+    compression_scale_dtype: str = field(
+        default="fp32",
+        metadata={"help": "dtype of the per-block scales.", "choices": list(SCALE_DTYPES)},
+    )
+    error_feedback: bool = field(
+        default=False, metadata={"help": "Carry the quantization residual into the next pseudo-gradient."}
+    )
+    entropy_coding: bool = field(
+        default=False,
+        metadata={
+            "help": "Deflate (zlib level 1) each encoded payload before it crosses workers and send it when that is "
+            "shorter. Lossless: the same bits arrive. fp4 pseudo-gradients shrink by about 15 percent; deflate runs "
+            "~25 MB/s per core, in up to 8 threads."
+        },
+    )
+    exchange_pattern: str = field(
+        default="reduce_scatter",
+        metadata={
+            "help": "How workers average: reduce_scatter (quantized chunks to their owners, averaged, requantized, "
+            "all-gathered: 2(M-1)/M of a payload per rank) or all_gather (every worker's quantized vector to every "
+            "worker, summed in fp32: one quantization instead of two, (M-1) payloads per rank, the same bytes for "
+            "M=2).",
+            "choices": list(EXCHANGE_PATTERNS),
+        },
+    )
+    lowrank_rank: int = field(
+        default=0,
+        metadata={
+            "help": "PowerSGD rank of the 2-D pseudo-gradients before quantization, with error feedback (0 = off). "
+            "With adaptive_compression, the largest rank."
+        },
+    )
+    lowrank_min_rank: int = field(
+        default=1, metadata={"help": "Smallest rank adaptive_compression may pick (<= lowrank_rank)."}
+    )
+    adaptive_compression: bool = field(
+        default=False,
+        metadata={
+            "help": "Pick rank and codec each sync: the most accurate setting whose exchange fits the compute it "
+            "overlaps; the rank shrinks as the energy concentrates. `compression` is the fewest bits allowed."
+        },
+    )
+    adaptive_energy_threshold: float = field(
+        default=0.9, metadata={"help": "Share of the pseudo-gradient energy the adaptive rank should capture."}
+    )
+    adaptive_link_bytes_per_second: float = field(
+        default=0.0,
+        metadata={"help": "Cross-worker throughput the adaptive policy assumes (0 = measure it on each exchange)."},
+    )
+    adaptive_dense: bool = field(
+        default=False,
+        metadata={
+            "help": "Let the adaptive policy also send a fragment without low-rank factorisation (rank 0): the most "
+            "accurate choice whenever it fits the window; what small or full-rank matrices need."
+        },
+    )
+    pipeline_stages: int = field(default=1, metadata={"help": "Pipeline stages inside one worker."})
+    data_parallel_per_worker: int = field(
+        default=1, metadata={"help": "Data-parallel replicas inside one worker (e.g. GPUs per node)."}
+    )
+    pipeline_schedule: str = field(
+        default="1f1b",
+        metadata={"help": "Micro-batch schedule when pipeline_stages > 1.", "choices": list(PIPELINE_SCHEDULES)},
+    )
+    pipeline_microbatches: int = field(
+        default=2,
+        metadata={"help": "Micro-batches per batch when pipeline_stages > 1 (1f1b needs >= pipeline_stages)."},
+    )
+    robust_clip_factor: float = field(
+        default=0.0,
+        metadata={
+            "help": "Robust aggregation: scale down a worker's pseudo-gradient whose norm exceeds this factor times "
+            "the (lower) median norm of all workers. 0 = off."
+        },
+    )
+    divergence_factor: float = field(
+        default=100.0,
+        metadata={
+            "help": "Divergence guard: skip (on every worker alike) a round whose averaged pseudo-gradient has a norm "
+            "above this factor times the median norm of the fragment's last 5 applied rounds, and warn. 0 = off."
+        },
+    )
+    max_skipped_rounds: int = field(
+        default=3,
+        metadata={
+            "help": "Stop with an error when this many rounds of one fragment in a row were skipped (non-finite or "
+            "divergent averages). 0 = never stop."
+        },
+    )
+    global_copy_device: str = field(
+        default="cpu", metadata={"help": "Device of the fp32 global copy and outer optimizer state."}
+    )
+    sync_timeout_seconds: float = field(
+        default=1800.0,
+        metadata={
+            "help": "Seconds any collective of the engine (start-up check, initial broadcast, outer exchanges, the "
+            "final syncs of close()) may wait for a peer before it fails with an error naming the point and the peers."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self.validate_diloco()
+
+    def validate_diloco(self) -> None:
+        """Raise `ValueError` naming the first invalid field."""
+        _check_int("inner_steps", self.inner_steps, minimum=1)
+        _check_int("num_fragments", self.num_fragments, minimum=1)
+        _check_int("sync_delay", self.sync_delay, minimum=0)
+        _check_int("compression_block_size", self.compression_block_size, minimum=2)
+        _check_int("lowrank_rank", self.lowrank_rank, minimum=0)
+        _check_int("lowrank_min_rank", self.lowrank_min_rank, minimum=1)
+        _check_float("adaptive_energy_threshold", self.adaptive_energy_threshold, low=0.0, high=1.0, low_open=True)
+        _check_float("adaptive_link_bytes_per_second", self.adaptive_link_bytes_per_second, low=0.0)
+        for name in ("outer_nesterov", "error_feedback", "entropy_coding", "adaptive_compression", "adaptive_dense"):
+            _check_bool(name, getattr(self, name))
+        if self.lowrank_rank and self.lowrank_min_rank > self.lowrank_rank:
+            raise ValueError(
+                f"lowrank_min_rank ({self.lowrank_min_rank}) must be <= lowrank_rank ({self.lowrank_rank})."
+            )
+        if self.adaptive_dense and not self.adaptive_compression:
+            raise ValueError(
+                "adaptive_dense only applies with adaptive_compression: true (it widens the policy's choices)."
+            )
+        if self.adaptive_compression and not self.lowrank_rank:
+            raise ValueError("adaptive_compression needs lowrank_rank >= 1 (the largest rank the policy may pick).")
+        _check_int("pipeline_stages", self.pipeline_stages, minimum=1)
+        _check_int("data_parallel_per_worker", self.data_parallel_per_worker, minimum=1)
+        _check_int("pipeline_microbatches", self.pipeline_microbatches, minimum=1)
+        _check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        if (
+            self.pipeline_stages > 1
+            and self.pipeline_schedule == "1f1b"
+            and self.pipeline_microbatches < self.pipeline_stages
+        ):
+            raise ValueError(
+                f"pipeline_microbatches ({self.pipeline_microbatches}) must be >= pipeline_stages "
+                f"({self.pipeline_stages}) with pipeline_schedule='1f1b'; raise it or use 'gpipe'."
+            )
+        _check_float("outer_lr", self.outer_lr, low=0.0)
+        _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+        _check_float("merge_alpha", self.merge_alpha, low=0.0, high=1.0)
+        _check_float("sync_timeout_seconds", self.sync_timeout_seconds, low=0.0, low_open=True)
+        _check_float("robust_clip_factor", self.robust_clip_factor, low=0.0)
+        _check_float("divergence_factor", self.divergence_factor, low=0.0)
+        if 0 < self.divergence_factor <= 1:
+            raise ValueError(
+                f"divergence_factor must be 0 (off) or > 1, got {self.divergence_factor}: at or below 1 a healthy "
+                "round no larger than the recent ones could be skipped."
+            )
+        _check_int("max_skipped_rounds", self.max_skipped_rounds, minimum=0)
+        if 0 < self.robust_clip_factor < 1:
+            raise ValueError(
+                f"robust_clip_factor must be 0 (off) or >= 1, got {self.robust_clip_factor}: below 1 even the median "
+                "worker would be scaled down."
+            )
+        _check_choice("fragment_pattern", self.fragment_pattern, FRAGMENT_PATTERNS)
+        _check_choice("overlap", self.overlap, OVERLAP_MODES)
+        _check_choice("eager_estimate", self.eager_estimate, EAGER_ESTIMATES)
+        if self.eager_estimate != "own_share" and self.overlap != "eager":
+            raise ValueError(
+                f"eager_estimate='{self.eager_estimate}' only applies with overlap='eager' (got overlap="
+                f"'{self.overlap}'); set overlap: eager or leave eager_estimate at own_share."
+            )
+        _check_choice("compression", self.compression, COMPRESSIONS)
+        _check_choice("exchange_pattern", self.exchange_pattern, EXCHANGE_PATTERNS)
+        _check_choice("compression_scale_dtype", self.compression_scale_dtype, SCALE_DTYPES)
+        if self.compression_block_size % 2:
+            raise ValueError(
+                f"compression_block_size must be even (fp4 packs two values per byte), got {self.compression_block_size}."
+            )
+        if self.compression == "sign" and self.compression_block_size % 8:
+            raise ValueError(
+                "compression_block_size must be a multiple of 8 with compression 'sign' (eight values per byte), "
+                f"got {self.compression_block_size}."
+            )
+        if self.inner_steps % self.num_fragments:
+            raise ValueError(
+                f"inner_steps ({self.inner_steps}) must be divisible by num_fragments ({self.num_fragments}): "
+                "one fragment is synced every inner_steps / num_fragments steps."
+            )
+        if self.overlap == "streaming" and self.sync_delay >= self.inner_steps // self.num_fragments:
+            raise ValueError(
+                f"sync_delay ({self.sync_delay}) must be smaller than inner_steps / num_fragments "
+                f"({self.inner_steps // self.num_fragments}) so a fragment's exchange is applied before the next "
+                "fragment is launched."
+            )
+        if self.overlap in ("delayed", "eager") and self.sync_delay != 0:
+            raise ValueError(
+                f"sync_delay must be 0 with overlap='{self.overlap}': that mode applies each exchange one whole round "
+                "later by itself."
+            )
+        if not str(self.global_copy_device):
+            raise ValueError("global_copy_device must name a device, e.g. 'cpu'.")
+
+    def diloco_dict(self) -> dict[str, Any]:
+        """The DiLoCo fields only (also on subclasses that add many more fields)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DiLoCoConfig)}
+
+    def fingerprint(self) -> str:
+        """A hash of the fields that every worker must agree on (everything but local runtime knobs)."""
+        local_only = {"global_copy_device", "sync_timeout_seconds"}
+        # Fields added after checkpoints were first written are hashed only when set away from their default, so an
+        # older checkpoint (or worker) with the same settings keeps its fingerprint.
+        added_later = {
+            "entropy_coding": False,
+            "exchange_pattern": "reduce_scatter",
+            "adaptive_dense": False,
+            "eager_estimate": "own_share",
+            "divergence_factor": 100.0,
+            "max_skipped_rounds": 3,
+        }
+        shared = {
+            k: v
+            for k, v in self.diloco_dict().items()
+            if k not in local_only and not (k in added_later and v == added_later[k])
+        }
+        return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+    def short_run_warning(self, total_inner_steps: int) -> str | None:
+        """A warning when the outer momentum remembers more outer rounds than half of the run has, else None.
+
+        The outer momentum's memory is about 1 / (1 - outer_momentum) rounds (10 at the paper's 0.9). In a run with
+        only a few outer rounds the early, large pseudo-gradients then keep pushing theta_g long after the inner
+        learning rate has decayed; BENCHMARKS.md measures this on a small model (loss parity).
+        """
+        rounds = total_inner_steps // self.inner_steps
+        memory = round(1.0 / (1.0 - self.outer_momentum), 6)  # 1 / (1 - 0.9) is 10.000000000000002
+        if self.outer_momentum == 0 or rounds >= 2 * memory:
+            return None
+        return (
+            f"outer_momentum={self.outer_momentum:g} remembers about {memory:.0f} outer rounds, but this run has only "
+            f"{rounds} ({total_inner_steps} inner steps / inner_steps={self.inner_steps}). Short runs like this reached "
+            "a lower loss with outer_momentum <= 0.5 (outer_lr 0.7-1.0) in BENCHMARKS.md (loss parity); the paper's "
+            "0.9 suits runs of many more rounds."
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> DiLoCoConfig:
+        """Load the DiLoCo fields from a YAML file (its `diloco:` section if it has one, else the whole flat mapping).
+
+        Raises:
+            `ValueError`: the file is not a readable YAML mapping, a key names no field (the message names the key,
+                the file and the closest field), or a value is invalid.
+        """
+        values = yaml_fields(path)
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def layered_fields(
+        cls,
+        arguments: Mapping[str, Any],
+        environ: Mapping[str, str],
+        yaml_file: str | Path | None = None,
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Every DiLoCo field's value from the first layer that sets it, and where it came from.
+
+        Precedence: `arguments` (keyword arguments) > `DILOCO_<FIELD>` variables of `environ` > `yaml_file` > the
+        field's default. Values are not validated here (validate the assembled config).
+
+        Returns:
+            `(values, sources)`: both keyed by field name; a source is `"argument"`, the variable's name, the YAML
+            path or `"default"`.
+
+        Raises:
+            `TypeError`: an argument names no field. `ValueError`: a `DILOCO_*` variable names no field or does not
+            parse as its field's type, or the YAML names no field (each message names the closest valid name).
+        """
+        fields = dataclasses.fields(DiLoCoConfig)
+        unknown = set(arguments) - {f.name for f in fields}
+        if unknown:
+            names = [f.name for f in fields]
+            raise TypeError(
+                f"Unknown DiLoCo field(s): {_with_suggestions(sorted(unknown), names)}. The fields: {names}."
+            )
+        layers = [
+            (arguments, lambda name: "argument"),
+            (env_fields(environ), env_name),
+            (yaml_fields(yaml_file) if yaml_file is not None else {}, lambda name: str(yaml_file)),
+        ]
+        values, sources = {}, {}
+        for f in fields:
+            values[f.name], sources[f.name] = f.default, "default"
+            for layer, describe in layers:
+                if f.name in layer:
+                    values[f.name], sources[f.name] = layer[f.name], describe(f.name)
+                    break
+        return values, sources
+
+
+def diloco_field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(DiLoCoConfig)]
+
+
+def check_known_keys(given: Iterable[str], valid: Collection[str], where: str) -> None:
+    """Raise `ValueError` when `given` holds a key not in `valid`, naming each such key, `where` it was found (e.g.
+    `"configs/run.yaml (section diloco:)"`) and the closest valid key. Use it for every mapping a user writes."""
+    unknown = [key for key in given if key not in valid]
+    if unknown:
+        raise ValueError(
+            f"Unknown key(s) in {where}: {_with_suggestions(unknown, valid)}. Valid keys: {', '.join(valid)}."
+        )
+
+
+def yaml_fields(path: str | Path) -> dict[str, Any]:
+    """The DiLoCo fields a YAML file sets: its `diloco:` section if present, else the whole mapping; every key must
+    be a field (`ValueError` naming the key, the file and the closest field)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of field names to values, got {type(data).__name__}.")
+    section = "diloco" in data
+    values = data["diloco"] if section else data
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: the diloco: section must be a mapping of field names to values.")
+    check_known_keys(values, diloco_field_names(), f"{path}" + (" (section diloco:)" if section else ""))
+    return dict(values)
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a field: `DILOCO_` + its name in upper case."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def env_fields(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The DiLoCo fields `DILOCO_*` variables set, parsed to their fields' types; an unknown `DILOCO_*` variable or
+    a value that does not parse is a `ValueError` naming the variable (and the closest valid one)."""
+    types = typing.get_type_hints(DiLoCoConfig)
+    by_variable = {env_name(name): name for name in diloco_field_names()}
+    check_known_keys(
+        sorted(k for k in environ if k.startswith(ENV_PREFIX)), list(by_variable), "the DILOCO_* environment variables"
+    )
+    return {
+        name: _parse_variable(variable, name, environ[variable], types[name])
+        for variable, name in by_variable.items()
+        if variable in environ
+    }
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_variable(variable: str, field_name: str, text: str, kind: type) -> Any:
+    raw = text.strip()
+    if kind is bool:
+        if raw.lower() in _TRUE + _FALSE:
+            return raw.lower() in _TRUE
+        raise ValueError(f"{variable}={text!r}: field {field_name} is a boolean (true/false, 1/0, yes/no, on/off).")
+    if kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise ValueError(f"{variable}={text!r}: field {field_name} must be {what}.") from None
+    return raw
+
+
+def _with_suggestions(unknown: Iterable[str], valid: Collection[str]) -> str:
+    """`'inner_stepz' (did you mean 'inner_steps'?), 'foo'`: each unknown key with the closest valid one, if any."""
+    described = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), [str(v) for v in valid], n=1)
+        described.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(described)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}.")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}.")
+
+
+def _check_float(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}.")
+    if high is not None and (value > high or (high_open and value == high)):
+        raise ValueError(f"{name} must be {'<' if high_open else '<='} {high}, got {value}.")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}.")

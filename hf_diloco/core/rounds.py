@@ -1,0 +1,229 @@
+"""Completing an outer round: wait for its exchange, count its bytes, reject an average that must not be applied,
+take the outer step, and tell the observers.
+
+Every worker decodes the same bytes, so every worker holds the same average and takes the same decision: a rejected
+round leaves θg and the outer optimizer as they were on every worker alike (invariant 1 of docs/design.md holds
+through rejections).
+
+- A non-finite average (some worker produced NaN/inf) is rejected; this worker also drops the inner optimizer state
+  of the fragment's parameters that is itself non-finite (Adam moments poisoned by the NaN would keep producing it).
+- `DivergenceGuard`: a finite average whose largest absolute value exceeds `divergence_factor` times the median of
+  that of the fragment's last applied rounds is rejected (a diverged worker's absurd update, e.g. 5e8 where the
+  recent rounds moved by ~1e-2, would otherwise be applied and the run would finish with a dead model).
+- `max_skipped_rounds` rejections of one fragment in a row stop the run with `TrainingDivergedError`, on every
+  worker at the same round, once the observers have seen that round.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .codecs import CODEC_BITS
+from .exchange import ExchangeResult
+from .fragment import Fragment, InFlight
+from .stats import EngineStats, Observers, RoundRecord
+
+logger = logging.getLogger(__name__)
+
+
+class TrainingDivergedError(RuntimeError):
+    """Too many outer rounds of one fragment in a row were rejected (non-finite or divergent averages)."""
+
+
+@dataclass
+class DivergenceGuard:
+    """Rejects an average far larger than the fragment's recent ones, and stops a run that keeps being rejected.
+
+    The scale of an average is its largest absolute value: exact on every machine (a maximum does not depend on the
+    order of a reduction), so every worker compares the same number and decides alike. The history is the scales of
+    the fragment's last `HISTORY` applied rounds (zeros left out: a first round at learning rate 0 moves nothing);
+    without a history nothing is rejected.
+
+    With the default factor 100 a healthy run never comes close: round scales follow the inner learning rate, which
+    changes by a few times over a warm-up, not by 100 between five rounds. A schedule that raises the learning rate
+    more than `factor` times at once (warm restarts from ~0) needs a larger factor, or 0 to turn the guard off.
+
+    Args:
+        factor: `divergence_factor` (0: off).
+        max_skipped: `max_skipped_rounds` (0: never stop).
+    """
+
+    HISTORY = 5
+
+    factor: float
+    max_skipped: int
+    scales: dict[int, list[float]] = field(default_factory=dict)
+    skipped_in_a_row: dict[int, int] = field(default_factory=dict)
+    last_rejection: dict[int, tuple[int, str]] = field(default_factory=dict, compare=False)
+
+    def judge(self, fragment: int, average: torch.Tensor) -> tuple[str | None, str]:
+        """(`None`, "") to apply the average, else (`"nonfinite"` or `"divergent"`, why)."""
+        if not bool(torch.isfinite(average).all()):
+            return "nonfinite", "its average is not finite (a worker produced NaN/inf)"
+        recent = self.scales.get(fragment)
+        if not self.factor or not recent:
+            return None, ""
+        scale, typical = _scale(average), statistics.median(recent)
+        if scale > self.factor * typical:
+            return "divergent", (
+                f"its average's largest value {scale:.3g} is {scale / typical:.3g} x the median {typical:.3g} of its "
+                f"last {len(recent)} applied rounds (divergence_factor={self.factor:g})"
+            )
+        return None, ""
+
+    def applied(self, fragment: int, average: torch.Tensor) -> None:
+        self.skipped_in_a_row[fragment] = 0
+        scale = _scale(average)
+        if scale > 0:
+            self.scales[fragment] = [*self.scales.get(fragment, []), scale][-self.HISTORY :]
+
+    def rejected(self, fragment: int, step: int, why: str) -> None:
+        skipped = self.skipped_in_a_row[fragment] = self.skipped_in_a_row.get(fragment, 0) + 1
+        self.last_rejection[fragment] = (step, why)
+        logger.warning(
+            "Skipped the outer round of fragment %d at inner step %d on every worker: %s. θg stays as it was and "
+            "this worker restarts the fragment from it (%d in a row).",
+            fragment,
+            step,
+            why,
+            skipped,
+        )
+
+    def stop_if_diverged(self, fragment: int) -> None:
+        """Raise `TrainingDivergedError` once `max_skipped` rounds of the fragment in a row were rejected."""
+        skipped = self.skipped_in_a_row.get(fragment, 0)
+        if not self.max_skipped or skipped < self.max_skipped:
+            return
+        step, why = self.last_rejection[fragment]
+        raise TrainingDivergedError(
+            f"{skipped} outer rounds of fragment {fragment} in a row were skipped, the last at inner step {step}: "
+            f"{why}. Training has diverged. Resume from an earlier checkpoint with a lower learning rate (inner or "
+            "outer); if the run is healthy and its updates legitimately grow this fast, raise divergence_factor (0 "
+            "turns the guard off) or max_skipped_rounds (0 never stops)."
+        )
+
+    def state_dict(self) -> dict:
+        return {
+            "scales": dict(self.scales),
+            "skipped_in_a_row": dict(self.skipped_in_a_row),
+            "last_rejection": dict(self.last_rejection),
+        }
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore; a checkpoint written without a guard (older versions) starts with an empty history."""
+        state = state or {}
+        self.scales = {int(k): list(v) for k, v in state.get("scales", {}).items()}
+        self.skipped_in_a_row = {int(k): int(v) for k, v in state.get("skipped_in_a_row", {}).items()}
+        self.last_rejection = {int(k): (int(v[0]), str(v[1])) for k, v in state.get("last_rejection", {}).items()}
+
+
+def _scale(average: torch.Tensor) -> float:
+    return float(average.abs().max()) if average.numel() else 0.0
+
+
+class RoundKeeper:
+    """Completes the rounds of every fragment of one engine (see the module docstring).
+
+    Args:
+        stats: the engine's counters.
+        guard: decides which averages are applied.
+        inner_optimizer: its non-finite state is dropped after a non-finite round (None: nothing to drop).
+        observers: told about every completed round.
+        clock: the engine's current inner step.
+        workers: M.
+        per_fragment_stats: keep `fragment{p}_*` counters (more than one fragment).
+    """
+
+    def __init__(
+        self,
+        stats: EngineStats,
+        guard: DivergenceGuard,
+        inner_optimizer: torch.optim.Optimizer | None,
+        observers: Observers,
+        clock: Callable[[], int],
+        workers: int,
+        per_fragment_stats: bool,
+    ):
+        self.stats = stats
+        self.guard = guard
+        self.inner_optimizer = inner_optimizer
+        self.observers = observers
+        self.clock = clock
+        self.workers = workers
+        self.per_fragment_stats = per_fragment_stats
+
+    def apply(self, fragment: Fragment, flight: InFlight) -> RoundRecord:
+        """Wait for the round's exchange and take the outer step on θg unless the average is rejected."""
+        record = self._collect(fragment, flight, final=False)
+        if record.average is not None:
+            fragment.outer_step(record.average)
+            self.stats.outer_steps += 1
+        return record
+
+    def apply_tail(self, fragment: Fragment, flight: InFlight) -> RoundRecord:
+        """`close()`'s sync of a tail: θg <- θg - avg (no outer step: momentum would extrapolate a partial round)."""
+        bytes_before = self.stats.bytes_sent
+        record = self._collect(fragment, flight, final=True)
+        self.stats.final_sync_bytes += self.stats.bytes_sent - bytes_before
+        if record.average is not None:
+            fragment.theta_g -= record.average
+            self.stats.final_syncs += 1
+        return record
+
+    def wait(self, flight: InFlight) -> ExchangeResult:
+        """The exchange's result, counting the time waited."""
+        started = time.perf_counter()
+        result = flight.pending.wait()
+        self.stats.sync_wait_seconds += time.perf_counter() - started
+        return result
+
+    def publish(self, record: RoundRecord) -> None:
+        """Tell the observers about a completed round; then stop the run if its fragment keeps being rejected."""
+        self.observers.publish(record)
+        if record.rejected is not None:
+            self.guard.stop_if_diverged(record.fragment)
+
+    def _collect(self, fragment: Fragment, flight: InFlight, final: bool) -> RoundRecord:
+        result = self.wait(flight)
+        self.stats.book_exchange(
+            fragment.index, result.bytes_sent, result.bytes_sent_intra_worker, self.per_fragment_stats
+        )
+        fragment.residual = result.residual
+        if result.choice is not None:
+            self.stats.lowrank_rank = result.choice["rank"]
+            self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]
+        self.stats.clipped_contributions += int(result.clipped)
+        average = result.average.to(fragment.device)
+        rejected, why = self.guard.judge(fragment.index, average)
+        if rejected is None:
+            if not final:
+                self.guard.applied(fragment.index, average)
+        else:
+            self._reject(fragment, rejected, why)
+            average = None
+        return RoundRecord(
+            fragment=fragment.index,
+            step=self.clock(),
+            sent=flight.sent,
+            average=average,
+            rejected=rejected,
+            bytes_sent=result.bytes_sent,
+            final=final,
+            piece_sizes=fragment.sizes,
+            workers=self.workers,
+        )
+
+    def _reject(self, fragment: Fragment, reason: str, why: str) -> None:
+        fragment.residual = None
+        if reason == "nonfinite":
+            self.stats.skipped_nonfinite += 1
+            self.stats.inner_state_resets += fragment.reset_nonfinite_inner_state(self.inner_optimizer)
+        else:
+            self.stats.skipped_divergent += 1
+        self.guard.rejected(fragment.index, self.clock(), why)

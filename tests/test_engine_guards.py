@@ -1,0 +1,115 @@
+"""The divergence guard: an absurd but finite average is skipped on every worker alike, and a run whose rounds keep
+being skipped stops with an error instead of finishing with a dead model."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from hf_diloco.core.rounds import DivergenceGuard, TrainingDivergedError
+from tests.dist_utils import run_on_processes
+from tests.engine_common import INNER_LR, inner_step, tiny_model
+
+H = 2
+BLOWN_UP = (6, 10, 12)  # rounds launched after these inner steps get a pseudo-gradient of about 1e4 from worker 1
+
+
+def _diverging_worker(rank: int, world: int) -> dict:
+    from hf_diloco import DiLoCo, DiLoCoConfig
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("hf_diloco.core.rounds").addHandler(handler)
+    model = tiny_model(layers=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    config = DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, max_skipped_rounds=2)
+    engine = DiLoCo(model, optimizer, config)
+    records, theta_g, error = [], {}, None
+    engine.add_observer(lambda record: records.append((record.step, record.rejected)))
+    try:
+        for t in range(1, 7 * H + 1):
+            inner_step(model, optimizer, rank, t)
+            if rank == 1 and t in BLOWN_UP:
+                with torch.no_grad():  # a worker whose training blew up, short of NaN
+                    for param in model.parameters():
+                        param.add_(1e4)
+            before = {n: v.clone() for n, v in engine.global_parameters().items()}
+            engine.step()
+            theta_g[t] = (before, {n: v.clone() for n, v in engine.global_parameters().items()})
+            if t == BLOWN_UP[0]:
+                local_after_skip = {n: p.detach().clone() for n, p in model.named_parameters()}
+    except TrainingDivergedError as raised:
+        error = (t, str(raised))
+    return {
+        "records": records,
+        "error": error,
+        "stats": dict(engine.stats),
+        "theta_g": theta_g,
+        "local_after_skip": local_after_skip,
+        "messages": messages,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_absurd_rounds_are_skipped_everywhere_and_a_run_that_keeps_diverging_stops():
+    results = run_on_processes(_diverging_worker, 2)
+    for result in results:
+        # Rounds at 2, 4 applied (the history), 6 skipped, 8 applied, 10 and 12 skipped: two in a row stop the run.
+        assert result["records"] == [(2, None), (4, None), (6, "divergent"), (8, None), (10, "divergent")] + [
+            (12, "divergent")
+        ]
+        assert result["error"] is not None and result["error"][0] == 12
+        assert "2 outer rounds of fragment 0 in a row were skipped, the last at inner step 12" in result["error"][1]
+        assert "divergence_factor=100" in result["error"][1]
+        assert result["stats"]["skipped_divergent"] == 3 and result["stats"]["outer_steps"] == 3
+        before, after = result["theta_g"][6]
+        assert all(torch.equal(before[n], after[n]) for n in before)  # θg untouched by the skipped round
+        assert all(torch.equal(result["local_after_skip"][n], after[n]) for n in after)  # every worker restarts at θg
+        moved, applied = result["theta_g"][8]
+        assert any(not torch.equal(moved[n], applied[n]) for n in moved)  # the next healthy round goes through
+        assert sum("Skipped the outer round of fragment 0 at inner step" in m for m in result["messages"]) == 3
+    for name, value in results[0]["theta_g"][10][1].items():
+        assert torch.equal(value, results[1]["theta_g"][10][1][name])  # the workers still agree bitwise
+
+
+def test_guard_compares_with_the_median_of_recent_applied_rounds():
+    guard = DivergenceGuard(factor=10.0, max_skipped=0)
+    assert guard.judge(0, torch.tensor([1e9])) == (None, "")  # no history yet: nothing to compare with
+    guard.applied(0, torch.zeros(3))  # a round at learning rate 0 moves nothing: not a scale to compare with
+    assert guard.judge(0, torch.tensor([1e9])) == (None, "")
+    for scale in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):
+        guard.applied(0, torch.tensor([-scale, 0.5]))
+    assert guard.scales[0] == [2.0, 3.0, 4.0, 5.0, 6.0]  # the last five
+    assert guard.judge(0, torch.tensor([40.0]))[0] is None  # 10 x the median 4
+    reason, why = guard.judge(0, torch.tensor([0.0, -41.0]))
+    assert reason == "divergent" and "41" in why and "median 4" in why
+    assert guard.judge(1, torch.tensor([1e9]))[0] is None  # every fragment has its own history
+    assert guard.judge(0, torch.tensor([float("nan")]))[0] == "nonfinite"
+    assert DivergenceGuard(factor=0.0, max_skipped=0, scales={0: [1.0]}).judge(0, torch.tensor([1e9]))[0] is None
+
+
+def test_guard_counts_rejections_in_a_row_and_its_state_round_trips():
+    guard = DivergenceGuard(factor=10.0, max_skipped=3)
+    guard.rejected(0, 4, "why")
+    guard.rejected(0, 6, "why")
+    guard.applied(0, torch.ones(2))  # an applied round ends the streak
+    guard.rejected(0, 8, "why")
+    guard.rejected(1, 8, "why")  # another fragment's streak is its own
+    guard.rejected(0, 10, "why")
+    guard.stop_if_diverged(0)  # two in a row: below the limit
+    restored = DivergenceGuard(factor=10.0, max_skipped=3)
+    restored.load_state_dict(guard.state_dict())
+    assert restored == guard and restored.last_rejection == guard.last_rejection
+    restored.rejected(0, 12, "its average is absurd")
+    with pytest.raises(TrainingDivergedError, match="3 outer rounds of fragment 0 in a row.*step 12: its average"):
+        restored.stop_if_diverged(0)
+    never = DivergenceGuard(factor=10.0, max_skipped=0)
+    for step in range(10):
+        never.rejected(0, step, "why")
+    never.stop_if_diverged(0)
+    empty = DivergenceGuard(factor=10.0, max_skipped=3)
+    empty.load_state_dict(None)  # a checkpoint written before the guard existed
+    assert empty.scales == {} and empty.skipped_in_a_row == {}

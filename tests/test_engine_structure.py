@@ -1,0 +1,91 @@
+"""How the engine is put together: small classes, a pure-torch core that never imports upward, one place that tells
+the overlap modes apart, and a design document whose references to tests are real."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = ROOT / "hf_diloco" / "core"
+GLUE = ("transformers", "accelerate", "peft", "datasets", "huggingface_hub", "hf_diloco")
+# The pipeline runner is Hugging Face model parallelism, on its way out of the DiLoCo core; config dataclasses may be
+# long (one field each).
+NOT_ENGINE = {"pipeline.py"}
+LONG_ALLOWED = {"DiLoCoConfig"}
+
+
+def _core_modules() -> list[Path]:
+    return [path for path in sorted(CORE.glob("*.py")) if path.name not in NOT_ENGINE]
+
+
+def test_no_class_of_the_engine_is_longer_than_300_lines():
+    lengths = {}
+    for path in _core_modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name not in LONG_ALLOWED:
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                lengths[f"{path.name}:{node.name}"] = node.end_lineno - start + 1
+    assert lengths and max(lengths.values()) <= 300, sorted(lengths.items(), key=lambda item: -item[1])[:3]
+
+
+def test_core_is_pure_torch_and_never_imports_upward():
+    for path in sorted(CORE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert node.level <= 1, f"{path.name}:{node.lineno} imports from above hf_diloco/core"
+                assert node.level == 1 or not (node.module or "").startswith(GLUE), f"{path.name}:{node.lineno}"
+            if isinstance(node, ast.Import):
+                assert not any(alias.name.startswith(GLUE) for alias in node.names), f"{path.name}:{node.lineno}"
+
+
+def test_overlap_modes_are_told_apart_in_one_place():
+    """`config.overlap` is read to pick the mode's class (`make_overlap`) and nowhere else in the engine."""
+    readers = []
+    for path in _core_modules():
+        if path.name == "config.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "overlap" and _is_config(node.value):
+                readers.append(f"{path.name}:{node.lineno}")
+    assert readers == ["overlap.py:" + str(_line_of("overlap.py", "return modes[config.overlap]"))], readers
+
+
+def _is_config(node: ast.expr) -> bool:
+    """`config` or `<anything>.config`."""
+    return (isinstance(node, ast.Name) and node.id == "config") or (
+        isinstance(node, ast.Attribute) and node.attr == "config"
+    )
+
+
+def _line_of(name: str, text: str) -> int:
+    return next(i for i, line in enumerate((CORE / name).read_text().splitlines(), 1) if text in line)
+
+
+def test_design_document_names_tests_that_exist():
+    design = (ROOT / "docs" / "design.md").read_text()
+    references = re.findall(r"(tests/[\w/]+\.py)::(\w+)", design)
+    assert len(references) >= 15
+    for file, name in references:
+        tree = ast.parse((ROOT / file).read_text())
+        names = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+        assert name in names, f"docs/design.md names {file}::{name}, which does not exist"
+    for number in range(1, 8):
+        assert f"\n{number}. " in design, f"invariant {number} is not in docs/design.md"
+
+
+def test_nothing_points_at_a_design_document_outside_the_repository():
+    outside = "DESIGN" + ".md"  # the starting contract, which is not in the repository
+    for folder in ("hf_diloco", "scripts", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            assert outside not in path.read_text(), f"{path.relative_to(ROOT)} cites {outside}; cite docs/design.md"
+
+
+def test_benchmarks_observe_the_engine_instead_of_patching_it():
+    harness = [*(ROOT / "scripts").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]
+    assert any("register_round_observer" in path.read_text() for path in harness)
+    for path in harness:
+        text = path.read_text()
+        assert not re.search(r"DiLoCo\._\w+\s*(,|=)", text), f"{path.name} patches a private engine method"
+        assert "engine._" not in text, f"{path.name} reads private engine state"
