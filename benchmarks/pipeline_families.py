@@ -1,7 +1,7 @@
 """Which causal-LM families of the installed transformers can be cut into pipeline stages.
 
-    python scripts/pipeline_families.py                      # every family, a markdown table
-    python scripts/pipeline_families.py --families llama jamba --stages 3 --json out.json
+    python -m benchmarks.pipeline_families                   # every family, a markdown table
+    python -m benchmarks.pipeline_families --families llama jamba --stages 3 --json out.json
 
 Every model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built tiny from its own config class (the defaults, with
 every size, layer count, vocabulary and expert count made small, dropout 0, random init, nothing downloaded), then
