@@ -339,12 +339,12 @@ def markdown(results: list[FamilyResult]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="*", help="model types (default: every causal-LM family)")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--json", help="also write the results to this JSON file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = []
     for family in args.families or causal_lm_families():
