@@ -8,8 +8,8 @@ Eager applies an estimate E^r of round r's average at once and swaps it for the 
 Δ~ = avg^{r-1} - E^{r-1} + E^r. With outer lr 1 and no momentum a worker then starts round r+1 at exactly
 avg^r - E^r from where blocking DiLoCo would start it, so ||E^r - avg^r|| / ||avg^r|| is what the overlap costs.
 `own_share` (Kale et al.) has E^r = Δm^r / M; `fitted` has E^r = w^r·Δm^r, one w^r per parameter fitted on round
-r-1 (see docs/design.md). It trains the method with the training run of `benchmarks.comm` (model, data and
-optimizer; `--long`: the longer-run model of `benchmarks.quality --long`).
+r-1 (see docs/design.md). It trains the method with the training run of `benchmarks.comm` (`benchmarks.common`:
+model, data and optimizer; `--long`: the longer-run model of `benchmarks.quality --long`).
 
 An eager method: for every round whose true average arrives, the error of both estimates from this worker's own
 Δm^r (whichever the run applies), the fitted weights' overall scale, the error of the Δ~ the run applied (the
