@@ -223,8 +223,25 @@ def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:
     return total / count
 
 
-def train_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
-    """Train `method` on this rank (data from `prepare_data` in `folder`); its bytes, losses and eval loss."""
+def train_worker(
+    rank: int, world: int, method: str, args: argparse.Namespace, folder: str, observer: Callable | None = None
+) -> dict:
+    """Train `method` on this rank (data from `prepare_data` in `folder`); its bytes, losses and eval loss.
+
+    `observer` is called with the record of every round of this process's engines (`register_round_observer`).
+    """
+    if observer is None:
+        return _train(rank, world, method, args, folder)
+    from hf_diloco.core.stats import register_round_observer
+
+    handle = register_round_observer(observer)
+    try:
+        return _train(rank, world, method, args, folder)
+    finally:
+        handle.remove()
+
+
+def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
     from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model
 

@@ -94,8 +94,6 @@ def _cosine(a, b) -> float:
 
 def recording_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     """An eager run, with every round's estimates scored against its true average (an observer of the engine)."""
-    from hf_diloco.core.stats import register_round_observer
-
     records: list[dict] = []
     last_round: dict = {}  # fragment -> the RoundRecord of its previous round
     previous_average: dict[int, torch.Tensor] = {}
@@ -122,13 +120,7 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
         records.append(row)
         previous_average[fragment] = average.detach().clone()
 
-    handle = register_round_observer(observe)
-    try:
-        result = train_worker(rank, world, method, args, folder)
-    finally:
-        handle.remove()
-    result["rounds"] = records
-    return result
+    return train_worker(rank, world, method, args, folder, observer=observe) | {"rounds": records}
 
 
 def recording_blocking_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
@@ -139,7 +131,6 @@ def recording_blocking_worker(rank: int, world: int, method: str, args: argparse
     import torch.distributed as dist
 
     from hf_diloco.core.overlap import fitted_estimate_weight
-    from hf_diloco.core.stats import register_round_observer
 
     records: list[dict] = []
     before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fragment -> last round's (own Δm, average)
@@ -170,13 +161,7 @@ def recording_blocking_worker(rank: int, world: int, method: str, args: argparse
         records.append(row)
         before[fragment] = (own, average.detach().clone())
 
-    handle = register_round_observer(observe)
-    try:
-        result = train_worker(rank, world, method, args, folder)
-    finally:
-        handle.remove()
-    result["rounds"] = records
-    return result
+    return train_worker(rank, world, method, args, folder, observer=observe) | {"rounds": records}
 
 
 def report(method: str, steps: int, eval_loss: float, rounds: list[dict], columns: dict[str, str]) -> str:
