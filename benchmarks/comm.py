@@ -51,15 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        parsed = {spec: parse_method(spec) for spec in args.methods}  # every spec checked before any run starts
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
     results = []
     with tempfile.TemporaryDirectory() as folder:
         data = prepare_data(Path(folder), args.block_size, args.train_files, args.vocab_size)
         print(f"training split: {len(data['train']) * args.block_size:,} tokens", flush=True)
         for spec in args.methods:
-            try:
-                method, _, workers = parse_method(spec)
-            except (ValueError, TypeError) as error:
-                parser.error(str(error))
+            method, _, workers = parsed[spec]
             run_args = argparse.Namespace(**vars(args))
             run_args.workers = workers or args.workers
             if args.token_budget:

@@ -47,3 +47,11 @@ def test_ddp_steps_train_as_ddp_then_hand_over_to_diloco(tmp_path):
     per_ddp_step = ddp["bytes_sent"] / 6
     assert half_warm["bytes_sent"] == pytest.approx(3 * per_ddp_step + plain["bytes_sent"] / 2, rel=1e-3)
     assert half_warm["eval_loss"] != plain["eval_loss"]
+
+
+def test_every_method_is_checked_before_any_run_starts(tmp_path, capsys):
+    """A spec the engine would refuse stops the benchmark before the first method trains (and before data is built)."""
+    with pytest.raises(SystemExit):
+        comm.main(["--methods", "ddp", "streaming_fp4:inner_steps=4", "--out", str(tmp_path / "never")])
+    assert "sync_delay (1) must be smaller than inner_steps / num_fragments" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
