@@ -37,7 +37,7 @@ def _private_imports(path: Path) -> set[tuple[str, str, str]]:
     return found
 
 
-def test_the_harness_modules_are_the_moved_scripts_and_leave_scripts_to_the_main_job():
+def test_the_harness_is_in_the_package_and_scripts_holds_the_main_job():
     assert {"comm", "quality", "wan", "overhead", "eager_estimate", "entropy_coding", "fragment_sizes"} <= set(MODULES)
     assert {"seed_table", "pipeline_families"} <= set(MODULES)
     assert not list((ROOT / "scripts").glob("bench_*.py"))
