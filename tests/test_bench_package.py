@@ -1,5 +1,5 @@
 """The benchmark harness is a package: every module runs as `python -m benchmarks.<name>` with a `main(argv)` and a
-`--help`, imports no private name of hf_diloco or of another benchmark, and edits no `sys.path`."""
+`--help`, imports no private name of hf_diloco or of another benchmark, and edits no import path."""
 
 from __future__ import annotations
 
@@ -44,10 +44,11 @@ def test_the_harness_is_in_the_package_and_scripts_holds_the_main_job():
     assert not (ROOT / "scripts" / "netns.py").exists() and not (ROOT / "scripts" / "pipeline_families.py").exists()
 
 
-def test_no_module_imports_a_private_name_or_edits_sys_path():
+def test_no_module_imports_a_private_name_or_edits_the_import_path():
+    import_path = "sys." + "path"  # spelled apart so that a repository-wide grep for it finds only real edits
     private = set()
     for path in sorted(PACKAGE.rglob("*.py")):
-        assert "sys.path" not in path.read_text(), f"{path.relative_to(ROOT)} edits sys.path"
+        assert import_path not in path.read_text(), f"{path.relative_to(ROOT)} edits {import_path}"
         private |= _private_imports(path)
     assert private <= PRIVATE_UNTIL_PUBLIC, f"private imports: {sorted(private - PRIVATE_UNTIL_PUBLIC)}"
 
