@@ -32,8 +32,18 @@ test: setup
 	$(BIN)/python -m pytest tests
 
 lint: setup
-	$(BIN)/ruff check hf_diloco scripts tests
-	$(BIN)/ruff format --check hf_diloco scripts tests
+	$(BIN)/ruff check hf_diloco scripts benchmarks tests
+	$(BIN)/ruff format --check hf_diloco scripts benchmarks tests
+
+# A quick smoke run of the benchmark harness (a few minutes on 2 cores; results under outputs/bench/, not the stored
+# ones). BENCHMARKS.md has the command of every stored result; `python -m benchmarks.wan --quick` needs root.
+BENCH_MODEL = '{"hidden_size": 32, "num_hidden_layers": 4, "intermediate_size": 64}'
+bench: setup
+	$(BIN)/python -m benchmarks.comm --steps 16 --warmup 2 --train_files 20 --vocab_size 256 --model $(BENCH_MODEL) \
+		--methods ddp streaming_fp4:inner_steps=8 --out outputs/bench/comm
+	$(BIN)/python -m benchmarks.fragment_sizes --num_fragments 4 --patterns strided balanced
+	$(BIN)/python -m benchmarks.entropy_coding --numel 4000000 --repeats 1
+	$(BIN)/python -m benchmarks.overhead --steps 14 --inner_steps 4 --repeats 1 --out outputs/bench/overhead.json
 
 clean:
 	rm -rf $(VENV) outputs

@@ -1,50 +1,37 @@
-"""`scripts/bench_comm.py` method specs: DiLoCoConfig overrides, the inner learning rate (DDP's too), workers."""
-
-import importlib.util
-from pathlib import Path
+"""`benchmarks.common` method specs: DiLoCoConfig overrides, the inner learning rate (DDP's too), workers; and a
+`benchmarks.comm` run that hands DDP over to DiLoCo."""
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_comm.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_comm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import comm, common
 
 
 def test_learning_rate_is_a_run_setting_for_ddp_and_diloco():
-    module = _load()
-    assert module.parse_method("ddp:lr=0.003@2") == ("ddp", None, 2)
-    assert module.run_overrides("ddp:lr=0.003@2") == {"lr": 0.003}
-    name, fields, workers = module.parse_method("diloco_h50:outer_lr=0.5,lr=0.001")
+    assert common.parse_method("ddp:lr=0.003@2") == ("ddp", None, 2)
+    assert common.run_overrides("ddp:lr=0.003@2") == {"lr": 0.003}
+    name, fields, workers = common.parse_method("diloco_h50:outer_lr=0.5,lr=0.001")
     assert (name, workers) == ("diloco_h50", None)
     assert fields == {"inner_steps": 50, "outer_lr": 0.5}
-    assert module.run_overrides("diloco_h50:outer_lr=0.5,lr=0.001") == {"lr": 0.001}
-    assert module.run_overrides("diloco_h50:outer_lr=0.5@2") == {}
+    assert common.run_overrides("diloco_h50:outer_lr=0.5,lr=0.001") == {"lr": 0.001}
+    assert common.run_overrides("diloco_h50:outer_lr=0.5@2") == {}
 
 
 @pytest.mark.parametrize("spec", ["ddp:outer_lr=0.5", "diloco:not_a_field=1", "no_such_method"])
 def test_unknown_settings_are_refused(spec):
     with pytest.raises(ValueError):
-        _load().parse_method(spec)
+        common.parse_method(spec)
 
 
 def test_ddp_steps_is_a_run_setting_of_diloco_methods_only():
-    module = _load()
-    name, fields, workers = module.parse_method("diloco_h50:outer_lr=0.5,ddp_steps=300@2")
+    name, fields, workers = common.parse_method("diloco_h50:outer_lr=0.5,ddp_steps=300@2")
     assert (name, fields, workers) == ("diloco_h50", {"inner_steps": 50, "outer_lr": 0.5}, 2)
-    assert module.run_overrides("diloco_h50:outer_lr=0.5,ddp_steps=300@2") == {"ddp_steps": 300}
+    assert common.run_overrides("diloco_h50:outer_lr=0.5,ddp_steps=300@2") == {"ddp_steps": 300}
 
 
 @pytest.mark.timeout(300)
-def test_ddp_steps_train_as_ddp_then_hand_over_to_diloco(tmp_path, monkeypatch):
+def test_ddp_steps_train_as_ddp_then_hand_over_to_diloco(tmp_path):
     """A DiLoCo run whose every step is a DDP warm-up step ends exactly where DDP does (two workers: the gradient
     sum is exact in any order), with DDP's bytes; a shorter warm-up adds its all-reduces to DiLoCo's own bytes."""
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the worker processes import the script by its module name
-    module = importlib.import_module("bench_comm")
     tiny = '{"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64}'
     common = ["--steps", "6", "--warmup", "2", "--train_files", "20", "--vocab_size", "256", "--model", tiny]
     methods = [
@@ -53,10 +40,18 @@ def test_ddp_steps_train_as_ddp_then_hand_over_to_diloco(tmp_path, monkeypatch):
         "diloco:inner_steps=3,outer_lr=1.0,outer_momentum=0.0,ddp_steps=3@2",
         "diloco:inner_steps=3,outer_lr=1.0,outer_momentum=0.0@2",
     ]
-    results = module.main([*common, "--out", str(tmp_path / "warm"), "--methods", *methods])
+    results = comm.main([*common, "--out", str(tmp_path / "warm"), "--methods", *methods])
     ddp, all_warm, half_warm, plain = results
     assert all_warm["eval_loss"] == ddp["eval_loss"]
     assert all_warm["bytes_sent"] == pytest.approx(ddp["bytes_sent"], rel=1e-3)
     per_ddp_step = ddp["bytes_sent"] / 6
     assert half_warm["bytes_sent"] == pytest.approx(3 * per_ddp_step + plain["bytes_sent"] / 2, rel=1e-3)
     assert half_warm["eval_loss"] != plain["eval_loss"]
+
+
+def test_every_method_is_checked_before_any_run_starts(tmp_path, capsys):
+    """A spec the engine would refuse stops the benchmark before the first method trains (and before data is built)."""
+    with pytest.raises(SystemExit):
+        comm.main(["--methods", "ddp", "streaming_fp4:inner_steps=4", "--out", str(tmp_path / "never")])
+    assert "sync_delay (1) must be smaller than inner_steps / num_fragments" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -1,4 +1,4 @@
-"""Smoke run of `scripts/bench_wan.py --quick` over a real rate-limited veth pair between two network namespaces.
+"""Smoke run of `python -m benchmarks.wan --quick` over a real rate-limited veth pair between two network namespaces.
 
 Needs root and iproute2 (CI runs as root); without them the tests fail with a message saying so.
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.netns import parse_proc_net_dev, tbf_arguments
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_wan.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-from netns import parse_proc_net_dev, tbf_arguments  # noqa: E402
+COMMAND = [sys.executable, "-m", "benchmarks.wan"]
 
 METHODS = {"ddp", "diloco", "streaming", "diloco_x", "local"}
 # --quick model: LlamaForCausalLM, vocab 256, hidden 64, MLP 256, 4 layers, untied embeddings.
@@ -52,7 +52,7 @@ def _assert_gone(pid: int) -> None:
 def _run_quick(out_dir: Path, timeout: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         # Entropy coding on: the veth counters then also check the package's count of variable-length payloads.
-        [sys.executable, str(SCRIPT), "--quick", "--entropy-coding", "--rates", "200", "--out-dir", str(out_dir)],
+        [*COMMAND, "--quick", "--entropy-coding", "--rates", "200", "--out-dir", str(out_dir)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -63,7 +63,7 @@ def _run_quick(out_dir: Path, timeout: float) -> tuple[subprocess.Popen, str]:
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGTERM)  # lets the script remove its namespaces
         output, _ = proc.communicate(timeout=60)
-        pytest.fail(f"bench_wan.py --quick took longer than {timeout}s:\n{output[-3000:]}")
+        pytest.fail(f"benchmarks.wan --quick took longer than {timeout}s:\n{output[-3000:]}")
     return proc, output
 
 
@@ -124,7 +124,7 @@ def test_quick_benchmark_reports_every_method_and_cleans_up(tmp_path):
 def test_sigterm_mid_run_removes_namespaces_and_workers(tmp_path):
     _require_netns()
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick", "--out-dir", str(tmp_path)],
+        [*COMMAND, "--quick", "--out-dir", str(tmp_path)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -1,6 +1,6 @@
 """Generic pipeline stages across the causal-LM families of the installed transformers.
 
-In one process, every family of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built tiny (`scripts/pipeline_families.py`),
+In one process, every family of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built tiny (`benchmarks/pipeline_families.py`),
 cut into stages and compared with the unsplit model (loss and every gradient), and the families that cannot be cut
 must be refused with the reason this file expects. With real gloo processes, `DiLoCoTrainer` trains
 `TRAINED_FAMILIES` pipelined and unpipelined on the same padded data: 1 worker x 2 stages against 1 x 1 and 2 workers x
@@ -10,29 +10,14 @@ world size trains every family one after another.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from datasets import Dataset
 
+from benchmarks import pipeline_families as families
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.engine_common import cpu_trainer_args
 from tests.pipeline_grid import run_grid
-
-
-def _load_script(name: str):
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-families = _load_script("pipeline_families")
 
 VOCAB, SEQ, SAMPLES, BATCH = families.SIZES["vocab"], 10, 32, 4
 STEPS, H = 4, 2

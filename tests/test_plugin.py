@@ -12,14 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from examples.accelerate_loop import build_model, random_token_rows
 from hf_diloco import DiLoCoConfig, DiLoCoPlugin
 from hf_diloco.model_card import has_diloco_tag
 from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "examples"))
-
-from accelerate_loop import build_model, random_token_rows  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ configuration
 

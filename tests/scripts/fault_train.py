@@ -1,9 +1,11 @@
 """A small DiLoCoTrainer job for the fault tests: optionally SIGKILLs one rank once, mid-round, at a given step.
 
-    torchrun --nproc_per_node 2 --max-restarts 1 tests/scripts/fault_train.py --output_dir OUT [--kill_at_step 10]
+    PYTHONPATH=. torchrun --nproc_per_node 2 --max-restarts 1 tests/scripts/fault_train.py --output_dir OUT \
+        [--kill_at_step 10]
 
 It resumes by itself from the newest complete checkpoint in OUT (as scripts/pretrain.py does), and appends every
-inner step it runs to OUT/steps_rank{r}.log so the test can count redone work.
+inner step it runs to OUT/steps_rank{r}.log so the test can count redone work. Run from the repository root with
+it on PYTHONPATH (for `tests.engine_common`), as tests/test_faults.py does.
 """
 
 from __future__ import annotations
@@ -11,12 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:

@@ -1,19 +1,16 @@
 """Run examples/accelerate_loop.py's `train` twice under torchrun (uninterrupted, then resumed from its mid-round
-`accelerator.save_state`) and dump each rank's theta_g, local parameters and DiLoCo stats for tests/test_plugin.py."""
+`accelerator.save_state`) and dump each rank's theta_g, local parameters and DiLoCo stats for tests/test_plugin.py.
+Run with the repository root on PYTHONPATH (for `examples.accelerate_loop`), as tests/test_plugin.py does."""
 
 import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator, DataLoaderConfiguration
+from torch.utils.data import DataLoader
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "examples"))
-
-from accelerate import Accelerator, DataLoaderConfiguration  # noqa: E402
-from accelerate_loop import build_model, parse_args, random_token_rows, train  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from hf_diloco import DiLoCoPlugin  # noqa: E402
+from examples.accelerate_loop import build_model, parse_args, random_token_rows, train
+from hf_diloco import DiLoCoPlugin
 
 
 def snapshot(plugin) -> dict:

@@ -21,7 +21,6 @@ from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM, Traine
 
 if "--use_diloco" in sys.argv:
     sys.argv.remove("--use_diloco")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from hf_diloco import DiLoCoTrainer as Trainer
     from hf_diloco import DiLoCoTrainingArguments as TrainingArguments
 else:

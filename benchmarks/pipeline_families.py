@@ -1,7 +1,7 @@
 """Which causal-LM families of the installed transformers can be cut into pipeline stages.
 
-    python scripts/pipeline_families.py                      # every family, a markdown table
-    python scripts/pipeline_families.py --families llama jamba --stages 3 --json out.json
+    python -m benchmarks.pipeline_families                   # every family, a markdown table
+    python -m benchmarks.pipeline_families --families llama jamba --stages 3 --json out.json
 
 Every model type of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built tiny from its own config class (the defaults, with
 every size, layer count, vocabulary and expert count made small, dropout 0, random init, nothing downloaded), then
@@ -339,12 +339,12 @@ def markdown(results: list[FamilyResult]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="*", help="model types (default: every causal-LM family)")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--json", help="also write the results to this JSON file")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     results = []
     for family in args.families or causal_lm_families():

@@ -27,11 +27,11 @@ that drain is reported separately: utilization and speedups are steady-state (lo
 
 Needs root and iproute2 (`apt-get install iproute2`). Run from the repository root:
 
-    python scripts/bench_wan.py                      # default sweep, ~15-25 min on 2 CPU cores
-    python scripts/bench_wan.py --quick              # smoke run: one rate, tiny model, ~1-2 min
-    python scripts/bench_wan.py --cleanup            # remove namespaces left by a killed run
+    python -m benchmarks.wan                      # default sweep, ~15-25 min on 2 CPU cores
+    python -m benchmarks.wan --quick              # smoke run: one rate, tiny model, ~1-2 min
+    python -m benchmarks.wan --cleanup            # remove namespaces left by a killed run
 
-Outputs (in `--out-dir`): `wan_results.json`, `wan_results.md`, `wan_utilization.png`.
+Outputs (in `--out-dir`, default benchmarks/results/): `wan_results.json`, `wan_results.md`, `wan_utilization.png`.
 """
 
 from __future__ import annotations
@@ -50,11 +50,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # hf_diloco, when run from anywhere
-from netns import SlowLink, cleanup_stale, list_namespaces  # noqa: E402
+from benchmarks.common import RESULTS_DIR, command_line
+from benchmarks.netns import SlowLink, cleanup_stale, list_namespaces
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the workers run `python -m benchmarks.wan` from here
 METHODS = ("ddp", "diloco", "streaming", "diloco_x", "local")
 DILOCO_METHODS = ("diloco", "streaming", "diloco_x")
 METHOD_LABELS = {
@@ -77,7 +76,7 @@ FULL_PROFILE = {
     "seq_len": 128,
     "ddp_max_seconds": 80.0,
     "regime_rate": "auto",
-    "out_dir": "benchmarks",
+    "out_dir": RESULTS_DIR,
 }
 QUICK_PROFILE = {
     "rates": "200",
@@ -126,7 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "comm/compute ratio should be --regime-ratio (extrapolated from its slowest run) unless a swept rate is "
         "within 25%% of it (the default); 'none' (the --quick default) uses the closest swept rate.",
     )
-    parser.add_argument("--out-dir", help="Where results go (default benchmarks/, quick: outputs/bench_wan_quick).")
+    parser.add_argument("--out-dir", help=f"Where results go (default {RESULTS_DIR}, quick: outputs/bench_wan_quick).")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: path of a worker spec JSON
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -433,12 +432,15 @@ def _start_workers(link: SlowLink, spec_path: Path, control: Path) -> list[subpr
             GLOO_SOCKET_IFNAME=link.devices[rank],
             OMP_NUM_THREADS="1",
             HF_HUB_OFFLINE="1",
-            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
         )
-        command = [*link.exec_prefix(rank), sys.executable, str(Path(__file__).resolve())]
+        command = [*link.exec_prefix(rank), sys.executable, "-m", "benchmarks.wan"]
         command += ["--worker", str(spec_path), "--rank", str(rank)]
         log = open(control / f"worker{rank}.log", "w")  # noqa: SIM115 - lives as long as the process
-        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
         _ACTIVE["procs"].append(procs[-1])
     return procs
 
@@ -812,7 +814,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         _cleanup()
         shutil.rmtree(work, ignore_errors=True)
     report = {
-        "command": "python " + " ".join([os.path.relpath(__file__, REPO_ROOT), *sys.argv[1:]]),
+        "command": command_line("wan"),
         "settings": spec | {"rates": args.rate_list, "methods": args.method_list},
         "method_labels": {
             m: METHOD_LABELS[m].format(H=args.inner_steps, P=args.fragments, R=args.lowrank_rank) for m in METHODS

@@ -1,6 +1,6 @@
 """Single-worker overhead of DiLoCoTrainer over the plain Trainer: time per inner step, measured side by side.
 
-    python scripts/bench_overhead.py --steps 200 --repeats 3
+    python -m benchmarks.overhead --steps 200 --repeats 3
 
 Both trainers get the same model, data, seed and steps; runs alternate (Trainer, DiLoCoTrainer, Trainer, ...) in one
 process so machine noise hits both alike. Reported: the median seconds per step of each and their ratio, in wall time
@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import RESULTS_DIR, command_line
+
+WARMUP_STEPS = 10  # not timed: the first steps build caches and allocate
 
 
 def build_data(num_blocks: int, block_size: int):
@@ -78,7 +79,7 @@ def run_once(use_diloco: bool, tokenizer, blocks, steps: int, inner_steps: int, 
     model = build_model(
         None, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, 0
     )
-    timer = StepTimer(warmup=10)
+    timer = StepTimer(warmup=WARMUP_STEPS)
     trainer_class = DiLoCoTrainer if use_diloco else Trainer
     trainer = trainer_class(
         model=model, args=args, train_dataset=blocks, data_collator=default_data_collator, callbacks=[timer.callback]
@@ -93,8 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--inner_steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--block_size", type=int, default=256)
-    parser.add_argument("--out", default="benchmarks/overhead.json")
+    parser.add_argument("--out", default=f"{RESULTS_DIR}/overhead.json")
     args = parser.parse_args(argv)
+    if args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps that are not timed")
     import torch
 
     torch.set_num_threads(1)
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     median_wall = {name: statistics.median(values) for name, values in wall.items()}
     median_cpu = {name: statistics.median(values) for name, values in cpu.items()}
     result = {
-        "command": "python scripts/bench_overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("overhead", argv),
         "steps": args.steps,
         "inner_steps": args.inner_steps,
         "wall_seconds_per_step": wall,

@@ -1,6 +1,6 @@
 """Peak per-sync bytes of Streaming DiLoCo on real model shapes: each fragment's share of the model.
 
-    python scripts/bench_fragment_sizes.py --num_fragments 4 --patterns strided balanced
+    python -m benchmarks.fragment_sizes --num_fragments 4 --patterns strided balanced
 
 Builds each model on the meta device (no memory, no download: the shapes are written below from the published
 configs), partitions it exactly as the engine does (`core/fragments.py`: `strided` and `sequential` put every parameter
@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hf_diloco.config import FRAGMENT_PATTERNS  # noqa: E402
+from hf_diloco.config import FRAGMENT_PATTERNS
 
 
 def decoder(model_type: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, tied: bool):
@@ -40,8 +36,8 @@ def decoder(model_type: str, vocab: int, hidden: int, layers: int, heads: int, k
 
 # From each model's published config.json.
 SHAPES = {
-    "bench model (scripts/bench_comm.py)": decoder("llama", 4096, 128, 4, 4, 4, 384, tied=True),
-    "bench --long model (scripts/bench_quality.py)": decoder("llama", 1024, 64, 4, 4, 4, 128, tied=True),
+    "bench model (benchmarks.comm)": decoder("llama", 4096, 128, 4, 4, 4, 384, tied=True),
+    "bench --long model (benchmarks.quality)": decoder("llama", 1024, 64, 4, 4, 4, 128, tied=True),
     "GPT-2 (124M)": dict(model_type="gpt2", vocab_size=50257, n_embd=768, n_layer=12, n_head=12),
     "Qwen2-0.5B": decoder("qwen2", 151936, 896, 24, 14, 2, 4864, tied=True),
     "Llama-2-7B": decoder("llama", 32000, 4096, 32, 32, 32, 11008, tied=False),

@@ -1,28 +1,24 @@
 """Throughput and size of the exchange's entropy coding (`entropy_coding: true`) on one encoded payload.
 
-    python scripts/bench_entropy_coding.py --numel 64000000 --threads 1 2
+    python -m benchmarks.entropy_coding --numel 64000000 --threads 1 2
 
 Encodes `--numel` standard-normal values with `--compression` (block 128, fp32 scales), then deflates and inflates
 the payload exactly as the exchange does (1 MiB pieces, zlib level 1) with each thread count, `--repeats` times, and
 prints the median MB/s of the encoded payload and the deflated size as a share of it. What real pseudo-gradients
-deflate to is in BENCHMARKS.md section 1 (bench_comm.py); i.i.d. Gaussian codes are close to the worst case.
+deflate to is in BENCHMARKS.md's bytes table (`benchmarks.comm`); i.i.d. Gaussian codes are close to the worst case.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from hf_diloco.core.codecs import make_codec  # noqa: E402
-from hf_diloco.core.exchange import _deflate, _inflate  # noqa: E402
+from hf_diloco.core.codecs import make_codec
+from hf_diloco.core.exchange import _deflate, _inflate
 
 
 def measure(payload: torch.Tensor, threads: int, repeats: int) -> dict:

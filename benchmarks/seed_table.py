@@ -1,6 +1,7 @@
-"""Per-seed loss gaps from several bench_comm.py / bench_quality.py runs, with their mean and standard error.
+"""Per-seed loss gaps from several `benchmarks.comm` / `benchmarks.quality` runs, with their mean and standard error.
 
-    python scripts/bench_seed_table.py benchmarks/quality_long.json benchmarks/sweeps/long_seed*.json \
+    python -m benchmarks.quality --long --seed 1 --out runs/long_seed1      # and so on for every seed
+    python -m benchmarks.seed_table benchmarks/results/quality_long.json runs/long_seed*.json \
         --versus eager_fp4=diloco_fp4 adaptive_fp4=eager_fp4
 
 Each JSON is one run (one `--seed`, read from its command line); runs of the same seed are merged. A method is
@@ -97,7 +98,7 @@ def _markdown(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="JSON files written by bench_comm.py (one per seed).")
+    parser.add_argument("runs", nargs="+", type=Path, help="JSON files written by benchmarks.comm (one per seed).")
     parser.add_argument("--versus", nargs="*", default=[], help="`method=reference` pairs (names without overrides).")
     parser.add_argument(
         "--pair", nargs=2, action="append", default=[], metavar=("METHOD", "REFERENCE"), help="full method names"

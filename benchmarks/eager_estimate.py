@@ -1,15 +1,15 @@
 """How good is eager overlap's estimate of the round's average? Measures it on a real run of 2 (`--workers`) workers.
 
-    python scripts/bench_eager_estimate.py --long
-    python scripts/bench_eager_estimate.py --long --method eager_fp4:inner_steps=25,outer_lr=1.0,outer_momentum=0.0
-    python scripts/bench_eager_estimate.py --long --method diloco_fp4:inner_steps=25,outer_lr=0.5,outer_momentum=0.5
+    python -m benchmarks.eager_estimate --long
+    python -m benchmarks.eager_estimate --long --method eager_fp4:inner_steps=25,outer_lr=1.0,outer_momentum=0.0
+    python -m benchmarks.eager_estimate --long --method diloco_fp4:inner_steps=25,outer_lr=0.5,outer_momentum=0.5
 
 Eager applies an estimate E^r of round r's average at once and swaps it for the true avg^r a round later:
 Δ~ = avg^{r-1} - E^{r-1} + E^r. With outer lr 1 and no momentum a worker then starts round r+1 at exactly
 avg^r - E^r from where blocking DiLoCo would start it, so ||E^r - avg^r|| / ||avg^r|| is what the overlap costs.
 `own_share` (Kale et al.) has E^r = Δm^r / M; `fitted` has E^r = w^r·Δm^r, one w^r per parameter fitted on round
-r-1 (see the engine's docstring). The script trains the method with bench_comm.py's model, data and optimizer
-(`--long`: bench_quality.py's longer-run model).
+r-1 (see docs/design.md). It trains the method with the training run of `benchmarks.comm` (`benchmarks.common`:
+model, data and optimizer; `--long`: the longer-run model of `benchmarks.quality --long`).
 
 An eager method: for every round whose true average arrives, the error of both estimates from this worker's own
 Δm^r (whichever the run applies), the fitted weights' overall scale, the error of the Δ~ the run applied (the
@@ -21,7 +21,8 @@ parameter, and a per-parameter fit on the round itself, which no worker could ma
 workers' pseudo-gradients of a round.
 
 The instrumentation is an observer of the engine (`register_round_observer`) in the worker processes: it reads each
-round's record and does not change what the engine computes.
+round's record and does not change what the engine computes. Writes `--out` (every round of every worker, JSON) and
+the printed table next to it (`.md`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.common import (
+    REGIMES,
+    RESULTS_DIR,
+    command_line,
+    parse_method,
+    prepare_data,
+    run_on_workers,
+    run_settings,
+    steps_for_budget,
+    train_worker,
+    with_defaults,
+)
 
 EAGER_COLUMNS = {
     "own_share_error": "own_share: norm(Δm/M - avg) / norm(avg)",
@@ -83,10 +94,6 @@ def _cosine(a, b) -> float:
 
 def recording_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     """An eager run, with every round's estimates scored against its true average (an observer of the engine)."""
-    import bench_comm
-
-    from hf_diloco.core.stats import register_round_observer
-
     records: list[dict] = []
     last_round: dict = {}  # fragment -> the RoundRecord of its previous round
     previous_average: dict[int, torch.Tensor] = {}
@@ -113,13 +120,7 @@ def recording_worker(rank: int, world: int, method: str, args: argparse.Namespac
         records.append(row)
         previous_average[fragment] = average.detach().clone()
 
-    handle = register_round_observer(observe)
-    try:
-        result = bench_comm.worker(rank, world, method, args, folder)
-    finally:
-        handle.remove()
-    result["rounds"] = records
-    return result
+    return train_worker(rank, world, method, args, folder, observer=observe) | {"rounds": records}
 
 
 def recording_blocking_worker(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
@@ -127,11 +128,9 @@ def recording_blocking_worker(rank: int, world: int, method: str, args: argparse
 
     The workers' pseudo-gradients are all-gathered once per round for their cosine: a collective the run itself
     does not have, made after the round's average is known, so the training is unchanged."""
-    import bench_comm
     import torch.distributed as dist
 
     from hf_diloco.core.overlap import fitted_estimate_weight
-    from hf_diloco.core.stats import register_round_observer
 
     records: list[dict] = []
     before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fragment -> last round's (own Δm, average)
@@ -162,13 +161,7 @@ def recording_blocking_worker(rank: int, world: int, method: str, args: argparse
         records.append(row)
         before[fragment] = (own, average.detach().clone())
 
-    handle = register_round_observer(observe)
-    try:
-        result = bench_comm.worker(rank, world, method, args, folder)
-    finally:
-        handle.remove()
-    result["rounds"] = records
-    return result
+    return train_worker(rank, world, method, args, folder, observer=observe) | {"rounds": records}
 
 
 def report(method: str, steps: int, eval_loss: float, rounds: list[dict], columns: dict[str, str]) -> str:
@@ -192,36 +185,38 @@ def report(method: str, steps: int, eval_loss: float, rounds: list[dict], column
 
 
 def main(argv: list[str] | None = None) -> None:
-    import bench_comm
-    import bench_quality
-
-    from tests.dist_utils import run_on_processes
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--long", action="store_true", help="bench_quality.py --long's model, corpus and budget.")
+    parser.add_argument("--long", action="store_true", help="The model, corpus and budget of quality --long.")
     parser.add_argument("--method", default="eager_fp4:outer_lr=0.5,outer_momentum=0.5")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--token_budget", type=int, default=0, help="Override the regime's token budget.")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/eager_estimate.json")
+    parser.add_argument("--out", default=f"{RESULTS_DIR}/eager_estimate.json", help="Writes OUT and OUT with .md.")
     args = parser.parse_args(argv)
-    fields = bench_comm.parse_method(args.method)[1] or {}
+    try:
+        fields = parse_method(args.method)[1] or {}
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))
     eager = fields.get("overlap") == "eager"
     blocking = fields and fields.get("overlap", "streaming") == "streaming"
     blocking = blocking and fields.get("num_fragments", 1) == 1 and fields.get("sync_delay", 0) == 0
     if not (eager or blocking):
         parser.error("--method must be an eager method or a blocking DiLoCo one (one fragment, sync_delay 0)")
     comm_argv = ["--seed", str(args.seed)] + (["--token_budget", str(args.token_budget)] if args.token_budget else [])
-    comm_argv = bench_quality.with_defaults(comm_argv, bench_quality.regime_defaults(args.long))
-    run_args = bench_comm.parse_args(comm_argv)
+    comm_argv = with_defaults(comm_argv, REGIMES["long" if args.long else "short"])
+    run_args = run_settings(comm_argv)
     run_args.workers = args.workers
-    run_args.steps = bench_comm.steps_for_budget(run_args, run_args.workers)
+    run_args.steps = steps_for_budget(run_args, run_args.workers)
     worker, columns = (recording_worker, EAGER_COLUMNS) if eager else (recording_blocking_worker, BLOCKING_COLUMNS)
     with tempfile.TemporaryDirectory() as folder:
-        bench_comm.prepare_data(Path(folder), run_args.block_size, run_args.train_files, run_args.vocab_size)
-        outcome = run_on_processes(worker, args.workers, args.method, run_args, folder, timeout_seconds=3600)
-    print(report(args.method, run_args.steps, outcome[0]["eval_loss"], outcome[0]["rounds"], columns))
-    Path(args.out).write_text(json.dumps({"argv": comm_argv, "method": args.method, "workers": outcome}, indent=1))
+        prepare_data(Path(folder), run_args.block_size, run_args.train_files, run_args.vocab_size)
+        outcome = run_on_workers(worker, args.workers, args.method, run_args, folder)
+    table = report(args.method, run_args.steps, outcome[0]["eval_loss"], outcome[0]["rounds"], columns)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"argv": comm_argv, "method": args.method, "workers": outcome}, indent=1))
+    out.with_suffix(".md").write_text(f"`{command_line('eager_estimate', argv)}`\n\n{table}\n")
 
 
 if __name__ == "__main__":
