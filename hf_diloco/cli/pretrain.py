@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..run_summary import check_processes_joined
-from .config_file import LoadedConfig
+from ..job_config import LoadedConfig
 from .pretrain_arguments import parse_command_line
 
 
