@@ -187,8 +187,8 @@ def test_diloco_values_come_from_the_flag_then_the_environment_then_the_file_the
     [
         ({"DILOCO_INNER_STPES": "4"}, [], r"'DILOCO_INNER_STPES' \(did you mean 'DILOCO_INNER_STEPS'\?\)"),
         ({"DILOCO_INNER_STEPS": "abc"}, [], r"DILOCO_INNER_STEPS='abc': field inner_steps must be an integer"),
-        ({"DILOCO_INNER_STEPS": "0"}, [], r"inner_steps must be >= 1, got 0\. .*inner_steps from DILOCO_INNER_STEPS"),
-        ({}, ["--num_fragments", "3"], r"divisible by num_fragments \(3\).*num_fragments from the command line"),
+        ({"DILOCO_INNER_STEPS": "0"}, [], r"inner_steps must be >= 1, got 0\. .*inner_steps by DILOCO_INNER_STEPS"),
+        ({}, ["--num_fragments", "3"], r"divisible by num_fragments \(3\).*num_fragments by the command line"),
         ({"DILOCO_INNER_STEPS": "4"}, ["--trainer", "ddp", "--config", "tiny_ddp"], r"DILOCO_INNER_STEPS set in the "
          r"environment, but this run has trainer: ddp, which has no DiLoCo settings: unset the DILOCO_\* variables"),
         ({}, ["--global_copy_device", "gpu"], r"global_copy_device 'gpu' is not a device: .*Set global_copy_device "

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -52,10 +53,38 @@ def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**env, **(extra or {})}
 
 
+def _start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    # A session of its own, so that on a timeout the launch is ended as a whole, never left behind.
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=_environment(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun puts each rank in a process group of its own: SIGTERM lets it end them before it exits.
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def _run(
     command: list[str], timeout: int = 420, expect_success: bool = True, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
-    result = subprocess.run(command, cwd=ROOT, env=_environment(env), capture_output=True, text=True, timeout=timeout)
+    result = _finish(_start(command, env), timeout)
     if expect_success:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -65,15 +94,8 @@ def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: int
     """Run several (command, extra environment) pairs, at most four at a time; each one's exit status and stderr."""
     results = []
     for start in range(0, len(commands), 4):
-        processes = [
-            subprocess.Popen(
-                command, cwd=ROOT, env=_environment(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-            )
-            for command, env in commands[start : start + 4]
-        ]
-        for process in processes:
-            _, stderr = process.communicate(timeout=timeout)
-            results.append((process.returncode, stderr))
+        processes = [_start(command, env) for command, env in commands[start : start + 4]]
+        results += [(result.returncode, result.stderr) for result in (_finish(p, timeout) for p in processes)]
     return results
 
 
@@ -281,11 +303,14 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
     (tmp_path / "flase.yaml").write_text(config.read_text() + "auto_resume: flase\n")
     existing = tmp_path / "existing"
     shutil.copytree(one_process[0], existing)
+
+    def _file(name: str) -> list[str]:
+        return ["--config", str(tmp_path / f"{name}.yaml")]
+
     cases = {
-        "syntax": (["--config", str(tmp_path / "syntax.yaml")], {}, r"syntax\.yaml is not valid YAML at line 4, column 1"),
-        "empty": (["--config", str(tmp_path / "empty.yaml")], {}, r"empty\.yaml is empty: it would run the whole default"),
-        "flase": (["--config", str(tmp_path / "flase.yaml")], {}, r"auto_resume in .*flase\.yaml must be true or false, "
-                  r"got 'flase'"),
+        "syntax": (_file("syntax"), {}, r"syntax\.yaml is not valid YAML at line 4, column 1"),
+        "empty": (_file("empty"), {}, r"empty\.yaml is empty: it would run the whole default"),
+        "flase": (_file("flase"), {}, r"auto_resume in .*flase\.yaml must be true or false, got 'flase'"),
         "positions": (["--data.block_size", "300"], {}, r"data\.block_size is 300 tokens but the model has only 256 "
                       r"positions"),
         "device": (["--global_copy_device", "cuda:99"], {}, r"global_copy_device 'cuda:99' names a device this "

@@ -6,8 +6,13 @@
 
 The YAML sections: `trainer` (diloco | ddp), `model`, `tokenizer`, `data` (see `hf_diloco.data` /
 `hf_diloco.modeling`), `training` (TrainingArguments fields), `diloco` (DiLoCoConfig fields), `auto_resume` (resume
-from the newest checkpoint in `output_dir` when there is one; default true, so a restarted job continues where it
-stopped). `hf-diloco pretrain --help` lists every flag.
+from the newest complete checkpoint in `output_dir` when there is one; default true, so a restarted job continues
+where it stopped). `hf-diloco pretrain --help` lists every flag.
+
+What the job guarantees: everything that can be checked without data is checked first (the config, every DiLoCo
+value, the worker layout, the model's positions against `data.block_size`, the checkpoint to resume from); the run's
+tokenizer is fixed at its first start (`output_dir/tokenizer`); every rank must have built the same tokenizer and
+data; a finished run's folder is left as it is; and every wait for the other ranks is bounded.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -162,8 +163,8 @@ def diloco_defaults(
 def check_diloco_values(namespace: Mapping[str, Any], defaults: Mapping[str, Any], origins: Mapping[str, str]) -> None:
     """
     Validate the DiLoCo fields of a parsed command line before anything is built, including that
-    `global_copy_device` is a device this machine has; a `ValueError` names the values that are not at their default
-    and where each was set.
+    `global_copy_device` is a device this machine has; a `ValueError` says where each field it names was set (the
+    command line, a `DILOCO_*` variable or the config file).
     """
     values = {name: namespace[name] for name in diloco_field_names()}
     field_defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
@@ -177,15 +178,18 @@ def check_diloco_values(namespace: Mapping[str, Any], defaults: Mapping[str, Any
         DiLoCoConfig(**values)
         check_device_exists(values["global_copy_device"], "global_copy_device")
     except ValueError as error:
-        listed = ", ".join(f"{name} from {source}" for name, source in set_by.items())
-        raise ValueError(f"{error} (values not at their default: {listed or 'none'})") from None
+        named = [f"{name} by {source}" for name, source in set_by.items() if re.search(rf"\b{name}\b", str(error))]
+        raise ValueError(f"{error}" + (f" (set: {'; '.join(named)})" if named else "")) from None
 
 
 def check_device_exists(name: str, setting: str) -> None:
     """Raise `ValueError` unless `name` is a torch device this machine has (`cpu`, `cuda`, `cuda:1`, ...)."""
     import torch
 
-    way_out = f"Set {setting} to cpu (host memory, the default) or to a device of this machine, e.g. cuda:0."
+    way_out = (
+        f"Set {setting} to cpu (host memory, the default) or to a device this machine has (cuda:N, N below its GPU "
+        "count)."
+    )
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as error:
