@@ -315,8 +315,8 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
                       r"positions"),
         "device": (["--global_copy_device", "cuda:99"], {}, r"global_copy_device 'cuda:99' names a device this "
                    r"machine does not have"),
-        "variable": ([], {"DILOCO_INNER_STEPS": "0"}, r"inner_steps must be >= 1, got 0\. .*inner_steps from "
-                     r"DILOCO_INNER_STEPS"),
+        "variable": ([], {"DILOCO_INNER_STEPS": "0"}, r"inner_steps must be >= 1, got 0\. \(set: inner_steps by "
+                     r"DILOCO_INNER_STEPS\)"),
         "ddp_variable": (["--config", str(_small_config(tmp_path, "ddp"))], {"DILOCO_COMPRESSION": "fp4"},
                          r"DILOCO_COMPRESSION set in the environment, but this run has trainer: ddp"),
         "workers": (["--pipeline_stages", "2"], {}, r"world size 1 is not divisible by the worker size"),
