@@ -38,7 +38,8 @@ from datasets.exceptions import DatasetGenerationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from hf_diloco.modeling import check_vocab_size
+from .core.config import check_known_keys
+from .modeling import check_vocab_size, model_positions
 
 __all__ = [
     "DATA_SPEC_KEYS",
@@ -50,7 +51,6 @@ __all__ = [
     "dataset_fingerprint",
     "load_or_train_tokenizer",
     "load_text_dataset",
-    "model_positions",
     "set_model_max_length",
     "split_files",
     "stdlib_corpus_files",
@@ -84,8 +84,6 @@ DATA_SPEC_KEYS = frozenset(
     }
 )
 TOKENIZER_SPEC_KEYS = frozenset({"path", "vocab_size", "min_frequency", "max_train_samples"})
-# Names model configs give the longest sequence their position embeddings cover, in order of preference.
-POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 # Written next to a tokenizer that `load_or_train_tokenizer` trained: the `tokenizer:` section and the fingerprint.
 TOKENIZER_RECORD_NAME = "hf_diloco_tokenizer.json"
 
@@ -211,7 +209,7 @@ def build_tokenizer(spec: Mapping[str, Any] | None, texts: Iterable[str]) -> Pre
         padding).
     """
     spec = dict(spec or {})
-    _check_keys(spec, TOKENIZER_SPEC_KEYS, "tokenizer")
+    check_known_keys(spec, sorted(TOKENIZER_SPEC_KEYS), "the tokenizer: section")
     if spec.get("path"):
         tokenizer = AutoTokenizer.from_pretrained(spec["path"])
         if tokenizer.eos_token_id is None:
@@ -260,7 +258,7 @@ def load_text_dataset(spec: Mapping[str, Any] | None = None) -> DatasetDict:
         `DatasetDict`: splits `"train"` and `"validation"`, each with the single column `"text"`.
     """
     spec = dict(spec or {})
-    _check_keys(spec, DATA_SPEC_KEYS, "data")
+    check_known_keys(spec, sorted(DATA_SPEC_KEYS), "the data: section")
     source = spec.get("source", "datasets" if spec.get("path") else "stdlib")
     seed = spec.get("seed", 0)
     percentage = spec.get("validation_split_percentage", 5)
@@ -379,15 +377,6 @@ def check_vocab(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConf
     check_vocab_size(len(tokenizer), model_config.vocab_size)
 
 
-def model_positions(model_config: PretrainedConfig) -> int | None:
-    """The longest sequence the model's positions cover (`max_position_embeddings`, `n_positions`, ...), if stated."""
-    for name in POSITION_ATTRIBUTES:
-        value = getattr(model_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def set_model_max_length(tokenizer: PreTrainedTokenizerBase, model_config: PretrainedConfig) -> None:
     """
     Set `tokenizer.model_max_length` to the model's positions, so the saved tokenizer warns about (and truncates to)
@@ -401,12 +390,6 @@ def set_model_max_length(tokenizer: PreTrainedTokenizerBase, model_config: Pretr
     positions = model_positions(model_config)
     if positions is not None:
         tokenizer.model_max_length = positions
-
-
-def _check_keys(spec: Mapping[str, Any], allowed: frozenset[str], section: str) -> None:
-    unknown = sorted(set(spec) - allowed)
-    if unknown:
-        raise ValueError(f"Unknown key(s) {unknown} in the `{section}:` section; allowed: {sorted(allowed)}.")
 
 
 def _read_files(files: Sequence[Path], max_files: int | None, seed: int) -> Dataset:
@@ -574,7 +557,7 @@ def load_or_train_tokenizer(
             longer match the tokenizer that was trained there (the message says what to do).
     """
     spec = dict(spec or {})
-    _check_keys(spec, TOKENIZER_SPEC_KEYS, "tokenizer")
+    check_known_keys(spec, sorted(TOKENIZER_SPEC_KEYS), "the tokenizer: section")
     if spec.get("path"):
         return build_tokenizer(spec, texts)
     folder = Path(folder)

@@ -14,6 +14,8 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, set_seed
 
+from .core.config import check_known_keys
+
 __all__ = [
     "DEFAULT_MODEL_CONFIG",
     "MODEL_SPEC_KEYS",
@@ -23,6 +25,7 @@ __all__ = [
     "check_block_size",
     "check_vocab_size",
     "describe_architecture_change",
+    "model_positions",
 ]
 
 DEFAULT_MODEL_CONFIG: dict[str, Any] = {
@@ -37,6 +40,8 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
 }
 
 MODEL_SPEC_KEYS = frozenset({"config", "config_name", "model_name_or_path", "dtype"})
+# Names model configs give the longest sequence their position embeddings cover, in order of preference.
+POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
 
 _NOT_ARCHITECTURE = frozenset(
     {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_attentions",
@@ -66,9 +71,7 @@ def build_model_config(
         `PretrainedConfig`: the config.
     """
     spec = dict(spec or {})
-    unknown = sorted(set(spec) - MODEL_SPEC_KEYS)
-    if unknown:
-        raise ValueError(f"Unknown key(s) {unknown} in the `model:` section; allowed: {sorted(MODEL_SPEC_KEYS)}.")
+    check_known_keys(spec, sorted(MODEL_SPEC_KEYS), "the model: section")
     if spec.get("config_name") and spec.get("model_name_or_path"):
         raise ValueError("Set only one of model.config_name and model.model_name_or_path.")
     overrides = dict(spec.get("config") or {})
@@ -117,28 +120,43 @@ def check_vocab_size(num_tokens: int, model_vocab_size: int) -> None:
         )
 
 
+def model_positions(model_config: PretrainedConfig) -> int | None:
+    """The longest sequence the model's positions cover (`max_position_embeddings`, `n_positions`, ...), if stated."""
+    found = _positions_attribute(model_config)
+    return None if found is None else found[1]
+
+
 def check_block_size(block_size: int, model_config: PretrainedConfig) -> None:
     """
     Fail early when blocks of `block_size` tokens are longer than the model's positions.
 
     Args:
         block_size (`int`): tokens per training block (`data.block_size`).
-        model_config (`PretrainedConfig`): the model's config (its `max_position_embeddings`, under whatever name the
-            architecture uses, e.g. GPT-2's `n_positions`).
+        model_config (`PretrainedConfig`): the model's config (its positions, under whatever name the architecture
+            uses, e.g. GPT-2's `n_positions`; see `model_positions`).
 
     Raises:
         `ValueError`: when `block_size` exceeds the model's positions, saying both ways out. A model with learned
             positions would fail at its first step with an `IndexError`; one with rotary positions would silently
             train beyond the length it declares.
     """
-    positions = getattr(model_config, "max_position_embeddings", None)
-    if isinstance(positions, int) and block_size > positions:
-        name = type(model_config).attribute_map.get("max_position_embeddings", "max_position_embeddings")
+    found = _positions_attribute(model_config)
+    if found is not None and block_size > found[1]:
+        name, positions = found
         raise ValueError(
             f"data.block_size is {block_size} tokens but the model has only {positions} positions (`{name}` of its "
             f"{model_config.model_type!r} config). Lower `data.block_size` to at most {positions}, or raise the "
             f"model's `{name}` in `model: config:` (a new model only: a checkpoint's learned positions cannot grow)."
         )
+
+
+def _positions_attribute(model_config: PretrainedConfig) -> tuple[str, int] | None:
+    """The config's own name for its number of positions, and the number."""
+    for name in POSITION_ATTRIBUTES:
+        value = getattr(model_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return type(model_config).attribute_map.get(name, name), value
+    return None
 
 
 def architecture(model_config: PretrainedConfig) -> dict[str, Any]:

@@ -14,7 +14,8 @@ import yaml
 from transformers import HfArgumentParser, TrainingArguments
 
 from hf_diloco import cli
-from hf_diloco.cli import config_file, configs, plot, push
+from hf_diloco import job_config as config_file
+from hf_diloco.cli import configs, plot, push
 from hf_diloco.cli.pretrain_arguments import SECTION_FLAGS, build_parser, parse_command_line
 from hf_diloco.config import diloco_field_names
 from hf_diloco.trainer import DiLoCoTrainingArguments
@@ -95,22 +96,27 @@ def test_command_line_overrides_every_section(tmp_path):
     assert parse_command_line(["--use_cpu", "--auto_resume"]).auto_resume is True
 
 
-def test_bad_auto_resume_value_is_refused():
+def test_auto_resume_is_one_checked_boolean_in_the_file_and_on_the_command_line(tmp_path, capsys):
+    path = _write(tmp_path, config_file.shipped_config_text("tiny_diloco") + "auto_resume: 'false'\n")
+    assert parse_command_line(["--config", str(path), "--use_cpu"]).auto_resume is False  # a string "false" is false
+    assert parse_command_line(["--config", str(path), "--use_cpu", "--auto_resume", "yes"]).auto_resume is True
     with pytest.raises(SystemExit):
-        parse_command_line(["--use_cpu", "--auto_resume", "maybe"])
+        parse_command_line(["--use_cpu", "--auto_resume", "flase"])
+    assert "auto_resume in --auto_resume must be true or false, got 'flase'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
         ("diloko:\n  inner_steps: 4\n", ["'diloko'", "top level", "did you mean 'diloco'"]),
-        ("diloco:\n  inner_stepz: 4\n", ["'inner_stepz'", "diloco: section", "did you mean 'inner_steps'"]),
-        ("data:\n  block_sise: 64\n", ["'block_sise'", "data: section", "did you mean 'block_size'"]),
-        ("tokenizer:\n  vocab_sise: 64\n", ["'vocab_sise'", "tokenizer: section", "did you mean 'vocab_size'"]),
-        ("model:\n  config_nam: x\n", ["'config_nam'", "model: section", "did you mean 'config_name'"]),
-        ("training:\n  learning_rat: 0.1\n", ["'learning_rat'", "training: section", "did you mean 'learning_rate'"]),
+        ("diloco:\n  inner_stepz: 4\n", ["'inner_stepz'", "section diloco:", "did you mean 'inner_steps'"]),
+        ("data:\n  block_sise: 64\n", ["'block_sise'", "section data:", "did you mean 'block_size'"]),
+        ("tokenizer:\n  vocab_sise: 64\n", ["'vocab_sise'", "section tokenizer:", "did you mean 'vocab_size'"]),
+        ("model:\n  config_nam: x\n", ["'config_nam'", "section model:", "did you mean 'config_name'"]),
+        ("training:\n  learning_rat: 0.1\n", ["'learning_rat'", "section training:", "did you mean 'learning_rate'"]),
         ("training:\n  inner_steps: 4\n", ["'inner_steps'", "training: section", "belongs in the diloco: section"]),
-        ("auto_resume: 'false'\n", ["auto_resume must be true or false", "'false'"]),
+        ("auto_resume: flase\n", ["auto_resume in", "must be true or false, got 'flase'"]),
+        ("", ["is empty: it would run the whole default job"]),
         ("trainer: dilocox\n", ["trainer must be one of", "'dilocox'"]),
         ("data: 5\n", ["data: section must be a mapping"]),
         ("trainer: ddp\ndiloco:\n  inner_steps: 4\n", ["a diloco: section needs trainer: diloco"]),
@@ -132,9 +138,9 @@ def test_misspelt_flag_of_a_section_is_refused(tmp_path, capsys):
     assert "--data.blocksize" in capsys.readouterr().err
 
 
-def test_invalid_yaml_names_the_file(tmp_path):
-    path = _write(tmp_path, "diloco: [unclosed\n")
-    with pytest.raises(ValueError, match=f"{path} is not valid YAML"):
+def test_invalid_yaml_names_the_file_line_and_column(tmp_path):
+    path = _write(tmp_path, "trainer: diloco\ndiloco: [unclosed\n")
+    with pytest.raises(ValueError, match=f"{path} is not valid YAML at line 3, column 1"):
         config_file.read_config(str(path))
 
 
@@ -160,3 +166,50 @@ def test_every_config_field_has_one_definition():
     keys = config_file.section_keys()
     assert keys["diloco"] == set(diloco_field_names())
     assert keys["training"] == {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+# ------------------------------------------------------------------------------------------------ DiLoCo values
+
+
+def test_diloco_values_come_from_the_flag_then_the_environment_then_the_file_then_the_default(tmp_path):
+    path = _write(tmp_path, config_file.shipped_config_text("tiny_diloco"))  # diloco: inner_steps 50, outer_lr 0.5
+    environ = {"DILOCO_INNER_STEPS": "20", "DILOCO_OUTER_LR": "0.25", "DILOCO_OUTER_NESTEROV": "false"}
+    args = parse_command_line(["--config", str(path), "--use_cpu", "--inner_steps", "10"], environ).args
+    assert args.inner_steps == 10  # the command line over DILOCO_INNER_STEPS over the file
+    assert args.outer_lr == 0.25 and args.outer_nesterov is False  # DILOCO_* over the file and the default
+    assert args.outer_momentum == 0.5  # the file over the default (0.9)
+    assert args.merge_alpha == 0.5 and args.sync_timeout_seconds == 1800.0  # defaults
+    assert parse_command_line(["--config", str(path), "--use_cpu"], {}).args.inner_steps == 50
+
+
+@pytest.mark.parametrize(
+    ("environ", "flags", "expected"),
+    [
+        ({"DILOCO_INNER_STPES": "4"}, [], r"'DILOCO_INNER_STPES' \(did you mean 'DILOCO_INNER_STEPS'\?\)"),
+        ({"DILOCO_INNER_STEPS": "abc"}, [], r"DILOCO_INNER_STEPS='abc': field inner_steps must be an integer"),
+        ({"DILOCO_INNER_STEPS": "0"}, [], r"inner_steps must be >= 1, got 0\. .*inner_steps by DILOCO_INNER_STEPS"),
+        ({}, ["--num_fragments", "3"], r"divisible by num_fragments \(3\).*num_fragments by the command line"),
+        ({"DILOCO_INNER_STEPS": "4"}, ["--trainer", "ddp", "--config", "tiny_ddp"], r"DILOCO_INNER_STEPS set in the "
+         r"environment, but this run has trainer: ddp, which has no DiLoCo settings: unset the DILOCO_\* variables"),
+        ({}, ["--global_copy_device", "gpu"], r"global_copy_device 'gpu' is not a device: .*Set global_copy_device "
+         r"to cpu"),
+        ({}, ["--global_copy_device", "cuda:99"], r"global_copy_device 'cuda:99' names a device this machine does "
+         r"not have \(\d+ cuda device\(s\) here\)"),
+        ({}, ["--global_copy_device", "meta"], r"global_copy_device 'meta' names a device this machine does not have"),
+    ],
+)  # fmt: skip
+def test_bad_diloco_values_are_refused_before_anything_is_built_naming_where_they_were_set(environ, flags, expected):
+    with pytest.raises(ValueError, match=expected):
+        parse_command_line(["--use_cpu", *flags], environ)
+
+
+def test_the_ddp_baselines_arguments_pickle_no_token():
+    import copy
+    import pickle
+
+    from hf_diloco.cli.pretrain_arguments import BaselineTrainingArguments
+
+    args = parse_command_line(["--config", "tiny_ddp", "--use_cpu", "--hub_token", "hf_secret_token"], {}).args
+    assert isinstance(args, BaselineTrainingArguments) and args.hub_token == "hf_secret_token"
+    assert b"hf_secret_token" not in pickle.dumps(args)
+    assert copy.deepcopy(args).hub_token == copy.copy(args).hub_token == "hf_secret_token"

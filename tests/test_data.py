@@ -16,7 +16,6 @@ from hf_diloco.data import (
     dataset_fingerprint,
     load_or_train_tokenizer,
     load_text_dataset,
-    model_positions,
     set_model_max_length,
     split_files,
     stdlib_corpus_files,
@@ -24,7 +23,13 @@ from hf_diloco.data import (
     tokenizer_fingerprint,
     train_bpe_tokenizer,
 )
-from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model, build_model_config, check_block_size
+from hf_diloco.modeling import (
+    DEFAULT_MODEL_CONFIG,
+    build_model,
+    build_model_config,
+    check_block_size,
+    model_positions,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,7 @@
 """The main job end to end: `scripts/pretrain.py` (a thin wrapper of `hf-diloco pretrain`) on 1 process and on 2
-processes (torchrun, gloo); re-running a finished or incompatible output folder; every shipped config parses."""
+processes (torchrun, gloo); re-running a finished, crashed, refused or incompatible output folder; bad input refused
+before any work; inputs that differ between ranks and a stalled peer at the job's own global points; every shipped
+config parses."""
 
 from __future__ import annotations
 
@@ -7,21 +9,26 @@ import json
 import math
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from hf_diloco.cli.config_file import shipped_config_names, shipped_config_text
 from hf_diloco.cli.pretrain_arguments import parse_command_line
+from hf_diloco.job_config import shipped_config_names, shipped_config_text
 from tests.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "pretrain.py"
+PER_RANK_SCRIPT = ROOT / "tests" / "scripts" / "pretrain_per_rank.py"
 STEPS = 8
+SECRET_TOKEN = "hf_ddpBaselineSecretToken"
 
 
 def _small_config(tmp_path: Path, trainer: str = "diloco") -> Path:
@@ -39,15 +46,61 @@ def _small_config(tmp_path: Path, trainer: str = "diloco") -> Path:
     return path
 
 
-def _run(command: list[str], timeout: int = 420, expect_success: bool = True) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
-    )
+def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {name: value for name, value in os.environ.items() if not name.startswith("DILOCO_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = str(ROOT)
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return {**env, **(extra or {})}
+
+
+def _start(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    # A session of its own, so that on a timeout the launch is ended as a whole, never left behind.
+    return subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=_environment(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(process: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun puts each rank in a process group of its own: SIGTERM lets it end them before it exits.
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def _run(
+    command: list[str], timeout: int = 420, expect_success: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    result = _finish(_start(command, env), timeout)
     if expect_success:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
+
+
+def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: int = 300) -> list[tuple[int, str]]:
+    """Run several (command, extra environment) pairs, at most four at a time; each one's exit status and stderr."""
+    results = []
+    for start in range(0, len(commands), 4):
+        processes = [_start(command, env) for command, env in commands[start : start + 4]]
+        results += [(result.returncode, result.stderr) for result in (_finish(p, timeout) for p in processes)]
+    return results
+
+
+def _snapshot(folder: Path) -> dict[Path, tuple[int, int]]:
+    return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*") if path.is_file()}
 
 
 def _torchrun(processes: int) -> list[str]:
@@ -109,8 +162,11 @@ def two_processes(tmp_path_factory):
     out = tmp_path_factory.mktemp("pretrain_2")
     output_dir = out / "out2"
     overrides = ["--use_cpu", "--num_fragments", "2", "--sync_delay", "1", "--data.block_size", "32"]
+    # DILOCO_* variables sit between the command line and the config's diloco: section.
+    variables = {"DILOCO_NUM_FRAGMENTS": "4", "DILOCO_OUTER_LR": "0.25"}
     result = _run(
-        _torchrun(2) + [str(SCRIPT), "--config", str(_small_config(out)), "--output_dir", str(output_dir), *overrides]
+        _torchrun(2) + [str(SCRIPT), "--config", str(_small_config(out)), "--output_dir", str(output_dir), *overrides],
+        env=variables,
     )
     return output_dir, result
 
@@ -143,6 +199,9 @@ def test_pretrain_two_processes_and_command_line_overrides(two_processes):
     assert during and during[-1] != final
     summary = "DiLoCo run: 2 workers x 1 data-parallel rank x 1 pipeline stage = 2 processes; H=4, P=2, tau=1"
     assert result.stderr.count(summary) == 1, "one start-up line, on the main process only"
+    args = torch.load(output_dir / "training_args.bin", weights_only=False)
+    # --num_fragments over DILOCO_NUM_FRAGMENTS; DILOCO_OUTER_LR over the config's 0.5; the config's momentum.
+    assert (args.num_fragments, args.outer_lr, args.outer_momentum) == (2, 0.25, 0.5)
     # Progress bars on the main process only: one tokenization bar per split, not one per split and rank.
     assert result.stderr.count("Tokenizing:   0%") == 2
 
@@ -158,25 +217,161 @@ def test_checkpoints_store_each_piece_of_state_once(two_processes):
 
 
 @pytest.mark.timeout(300)
-def test_pretrain_ddp_baseline(tmp_path):
+def test_pretrain_ddp_baseline_writes_no_hub_token(tmp_path):
     output_dir = tmp_path / "ddp"
+    config = _small_config(tmp_path, "ddp")
     _run(
-        [sys.executable, str(SCRIPT), "--config", str(_small_config(tmp_path, "ddp")), "--output_dir", str(output_dir)]
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--config",
+            str(config),
+            "--output_dir",
+            str(output_dir),
+            "--hub_token",
+            SECRET_TOKEN,
+        ]
     )
     _check_output_folder(output_dir)
+    written = [path for path in output_dir.rglob("*") if path.is_file()]
+    assert any(path.name == "training_args.bin" for path in written)
+    assert not [path for path in written if SECRET_TOKEN.encode() in path.read_bytes()]
 
 
 @pytest.mark.timeout(300)
 def test_rerun_of_a_finished_folder_leaves_it_and_names_the_ways_out(one_process, tmp_path):
     output_dir, _ = one_process
-    weights = (output_dir / "model.safetensors").read_bytes()
+    before = _snapshot(output_dir)
     result = _run(
         [sys.executable, str(SCRIPT), "--config", str(_small_config(tmp_path)), "--output_dir", str(output_dir)]
     )
     assert "already holds a finished run" in result.stderr
     assert "--output_dir" in result.stderr and "--auto_resume false" in result.stderr
-    assert (output_dir / "model.safetensors").read_bytes() == weights
+    assert _snapshot(output_dir) == before  # the tokenizer too: loaded, never retrained or rewritten
+
+
+@pytest.mark.timeout(300)
+def test_a_crash_after_the_final_checkpoint_saves_the_final_model_without_training(one_process, tmp_path):
+    """The job stopped after writing its last checkpoint, before saving the final model: a re-run saves that
+    checkpoint's model with its evaluation and card, and trains nothing."""
+    output_dir = tmp_path / "crashed"
+    shutil.copytree(one_process[0], output_dir)
+    for name in ("model.safetensors", "all_results.json", "README.md"):
+        (output_dir / name).unlink()
+    tokenizer = _snapshot(output_dir / "tokenizer")
+    _run([sys.executable, str(SCRIPT), "--config", str(_small_config(tmp_path)), "--output_dir", str(output_dir)])
+    last = output_dir / f"checkpoint-{STEPS}"
+    assert (output_dir / "model.safetensors").read_bytes() == (last / "model.safetensors").read_bytes()
+    _assert_card_quotes_all_results(output_dir)
     assert not (output_dir / f"checkpoint-{STEPS + 4}").exists()
+    assert _snapshot(output_dir / "tokenizer") == tokenizer
+
+
+@pytest.mark.timeout(480)
+def test_checkpoints_of_which_none_verifies_stop_the_run_and_auto_resume_false_keeps_them(one_process, tmp_path):
+    """A folder whose checkpoints are all refused: the run stops before any work and changes nothing; with
+    `auto_resume: "false"` (a string, in the YAML) it starts over and moves the refused checkpoints aside."""
+    output_dir = tmp_path / "refused"
+    shutil.copytree(one_process[0], output_dir)
+    for step in (4, STEPS):
+        with open(output_dir / f"checkpoint-{step}" / "model.safetensors", "r+b") as handle:
+            handle.truncate(100)
+    refused = {step: (output_dir / f"checkpoint-{step}" / "model.safetensors").read_bytes() for step in (4, STEPS)}
+    before = _snapshot(output_dir)
+    command = [sys.executable, str(SCRIPT), "--output_dir", str(output_dir)]
+    result = _run([*command, "--config", str(_small_config(tmp_path))], expect_success=False)
+    assert result.returncode != 0
+    assert "holds checkpoints from an earlier run, but none of them can be resumed from" in result.stderr
+    assert "Nothing was trained, deleted or overwritten" in result.stderr and "--auto_resume false" in result.stderr
+    assert _snapshot(output_dir) == before
+    start_over = tmp_path / "start_over.yaml"
+    start_over.write_text(_small_config(tmp_path).read_text() + "auto_resume: 'false'\n")
+    _run([*command, "--config", str(start_over)])
+    for step, weights in refused.items():
+        assert (output_dir / f"refused-checkpoint-{step}" / "model.safetensors").read_bytes() == weights
+    assert json.loads((output_dir / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())["global_step"] == STEPS
+
+
+@pytest.mark.timeout(480)
+def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_path):
+    """Each case fails with a message that names the input and the fix, before the run's tokenizer is fixed (or, in
+    an existing folder, before anything in it changes)."""
+    config = _small_config(tmp_path)
+    files = {"syntax": "trainer: diloco\ndiloco:\n  inner_steps: [4\n", "empty": "# nothing\n"}
+    for name, text in files.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+    (tmp_path / "flase.yaml").write_text(config.read_text() + "auto_resume: flase\n")
+    existing = tmp_path / "existing"
+    shutil.copytree(one_process[0], existing)
+
+    def _file(name: str) -> list[str]:
+        return ["--config", str(tmp_path / f"{name}.yaml")]
+
+    cases = {
+        "syntax": (_file("syntax"), {}, r"syntax\.yaml is not valid YAML at line 4, column 1"),
+        "empty": (_file("empty"), {}, r"empty\.yaml is empty: it would run the whole default"),
+        "flase": (_file("flase"), {}, r"auto_resume in .*flase\.yaml must be true or false, got 'flase'"),
+        "positions": (["--data.block_size", "300"], {}, r"data\.block_size is 300 tokens but the model has only 256 "
+                      r"positions"),
+        "device": (["--global_copy_device", "cuda:99"], {}, r"global_copy_device 'cuda:99' names a device this "
+                   r"machine does not have"),
+        "variable": ([], {"DILOCO_INNER_STEPS": "0"}, r"inner_steps must be >= 1, got 0\. \(set: inner_steps by "
+                     r"DILOCO_INNER_STEPS\)"),
+        "ddp_variable": (["--config", str(_small_config(tmp_path, "ddp"))], {"DILOCO_COMPRESSION": "fp4"},
+                         r"DILOCO_COMPRESSION set in the environment, but this run has trainer: ddp"),
+        "workers": (["--pipeline_stages", "2"], {}, r"world size 1 is not divisible by the worker size"),
+        "tokenizer": (["--output_dir", str(existing), "--tokenizer.vocab_size", "600", "--max_steps", "12"], {},
+                      r"This run's tokenizer in .*existing/tokenizer was trained with `tokenizer:` .*'vocab_size': "
+                      r"512.*but the config now says .*'vocab_size': 600"),
+    }  # fmt: skip
+    before = _snapshot(existing)
+    commands = []
+    for name, (flags, env, _) in cases.items():
+        output = ["--output_dir", str(tmp_path / name)] if "--output_dir" not in flags else []
+        commands.append(([sys.executable, str(SCRIPT), "--config", str(config), *output, *flags], env))
+    for (name, (_, _, expected)), (returncode, stderr) in zip(cases.items(), _run_together(commands)):
+        assert returncode != 0, name
+        assert re.search(expected, stderr), f"{name}: {stderr[-3000:]}"
+        assert not (tmp_path / name / "tokenizer").exists(), name
+    assert _snapshot(existing) == before
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_built_different_tokenizers_and_data_are_refused_at_start(tmp_path):
+    """Without a shared disk every node trains its own tokenizer into its own folder: nodes that did so from other
+    settings (here another data seed) fail at start, naming the inputs that differ."""
+    per_rank = ["--output_dir", str(tmp_path / "rank{rank}"), "--data.seed", "{rank}"]
+    result = _run(
+        _torchrun(2) + [str(PER_RANK_SCRIPT), "--config", str(_small_config(tmp_path)), "--use_cpu", *per_rank],
+        expect_success=False,
+    )
+    assert result.returncode != 0
+    for name in ("tokenizer", "train_data", "validation_data"):
+        assert f"{name}: ranks [1] disagree with rank 0" in result.stderr, result.stderr[-4000:]
+    assert not (tmp_path / "rank0" / "checkpoint-4").exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("step", "point"),
+    [
+        ("load_text_dataset", "the run's tokenizer (trained or loaded by rank 0 first)"),
+        ("train_and_evaluate", "the end of the job"),
+    ],
+)
+def test_a_stalled_peer_at_the_jobs_own_global_points_fails_within_the_bound(tmp_path, step, point):
+    bound = 10
+    command = [str(PER_RANK_SCRIPT), "--stall_rank_1_after", step, "--config", str(_small_config(tmp_path)),
+               "--use_cpu", "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--save_steps", "2",
+               "--sync_timeout_seconds", str(bound)]  # fmt: skip
+    started = time.monotonic()
+    result = _run(_torchrun(2) + command, timeout=240, expect_success=False)
+    assert result.returncode != 0
+    assert f"rank 1 stalls after {step}" in result.stderr
+    assert f"Rank(s) [1] did not reach {point} within sync_timeout_seconds={bound} s" in result.stderr, result.stderr[
+        -4000:
+    ]
+    assert time.monotonic() - started < 200  # the default bound of every wait (ddp_timeout) is 1800 s
 
 
 @pytest.mark.timeout(300)

@@ -6,23 +6,34 @@
 
 The YAML sections: `trainer` (diloco | ddp), `model`, `tokenizer`, `data` (see `hf_diloco.data` /
 `hf_diloco.modeling`), `training` (TrainingArguments fields), `diloco` (DiLoCoConfig fields), `auto_resume` (resume
-from the newest checkpoint in `output_dir` when there is one; default true, so a restarted job continues where it
-stopped). `hf-diloco pretrain --help` lists every flag.
+from the newest complete checkpoint in `output_dir` when there is one; default true, so a restarted job continues
+where it stopped). `hf-diloco pretrain --help` lists every flag.
+
+What the job guarantees: everything that can be checked without data is checked first (the config, every DiLoCo
+value, the worker layout, the model's positions against `data.block_size`, the checkpoint to resume from); the run's
+tokenizer is fixed at its first start (`output_dir/tokenizer`); every rank must have built the same tokenizer and
+data; a finished run's folder is left as it is; and every wait for the other ranks is bounded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
-import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from ..global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
+from ..job_config import LoadedConfig
 from ..run_summary import check_processes_joined
-from .config_file import LoadedConfig
 from .pretrain_arguments import parse_command_line
+
+DEFAULT_BLOCK_SIZE = 256
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,30 +46,88 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _configure_logging(args)
     use_diloco = config.trainer == "diloco"
+    check_before_building(config, args, use_diloco)
     resume = args.resume_from_checkpoint
     if resume is None and command_line.auto_resume:
-        resume = last_checkpoint(args.output_dir, use_diloco)
-    if resume is not None and _already_finished(resume, args):
-        _finish_distributed()
-        return 0
+        resume = checkpoint_to_resume_from(args.output_dir, use_diloco)
     if resume is not None:
         check_resumable(resume, args, use_diloco)
-    metrics = train_and_evaluate(config, args, resume)
-    if args.process_index == 0:
-        print(json.dumps({"output_dir": args.output_dir, **metrics}, indent=2, default=str))
-    _finish_distributed()
+    points = JobGlobalPoints.of(args)
+    if resume is not None and not use_diloco and _baseline_run_finished(resume, args):
+        say_run_finished(args, resume)
+    else:
+        metrics = train_and_evaluate(config, args, resume, points)
+        if metrics is not None and args.process_index == 0:
+            print(json.dumps({"output_dir": args.output_dir, **metrics}, indent=2, default=str))
+    points.wait("the end of the job")
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 
-def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None) -> dict[str, float]:
-    """Build data, tokenizer and model, train, evaluate the final weights, save them with their card and metrics."""
-    from transformers import Trainer, default_data_collator
+@dataclasses.dataclass
+class JobGlobalPoints:
+    """The job's own moments where every rank meets (the tokenizer, the start-up input check, the end), each bounded:
+    `sync_timeout_seconds` with DiLoCo, `ddp_timeout` with the DDP baseline (see `hf_diloco.global_points`)."""
 
-    from ..data import check_enough_blocks, set_model_max_length
+    group: dist.ProcessGroup | None
+    timeout_seconds: float
+    bound: str
+
+    @classmethod
+    def of(cls, args: Any) -> JobGlobalPoints:
+        """Every rank must call it at the same point (it creates a process group when the job is distributed)."""
+        if hasattr(args, "sync_timeout_seconds"):
+            timeout, bound = args.sync_timeout_seconds, "sync_timeout_seconds"
+        else:
+            timeout, bound = float(args.ddp_timeout), "ddp_timeout"
+        return cls(global_point_group(timeout), timeout, bound)
+
+    def wait(self, point: str) -> None:
+        wait_for_all_ranks(self.group, point, self.timeout_seconds, self.bound)
+
+    @contextlib.contextmanager
+    def main_process_first(self, is_main_process: bool, point: str) -> Iterator[None]:
+        """The main process runs the block first; the others wait for it (at most the bound), then run it."""
+        if not is_main_process:
+            self.wait(point)
+        yield
+        if is_main_process:
+            self.wait(point)
+
+    def check_agree(self, settings: Mapping[str, Any]) -> None:
+        check_ranks_agree(settings, self.group, self.timeout_seconds, "the start of training", self.bound)
+
+
+def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> None:
+    """
+    What can be checked before any data, tokenizer or model is built: the processes form whole workers, and the
+    model has positions for `data.block_size` tokens (a new model's config is built here without its vocabulary,
+    which the tokenizer decides later).
+    """
+    from ..core.topology import RankLayout
+    from ..modeling import build_model_config, check_block_size
+
+    if use_diloco:
+        RankLayout(args.world_size, args.pipeline_stages, args.data_parallel_per_worker)
+    check_block_size(_block_size(config), build_model_config(config.section("model"), vocab_size=0))
+
+
+def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, points: JobGlobalPoints):
+    """
+    Build data, tokenizer and model, train, evaluate the final weights, save them with their card and metrics.
+
+    Returns:
+        `dict[str, float]` or `None`: the metrics; `None` when `resume` is the last checkpoint of a finished run whose
+        final model is in the folder already (then nothing is written).
+    """
+
+    from ..checkpointing import final_model_matches_checkpoint
+    from ..data import check_enough_blocks, dataset_fingerprint, set_model_max_length, tokenizer_fingerprint
     from ..modeling import build_model
     from ..trainer import DiLoCoTrainer
 
-    tokenizer, blocks = build_datasets(config, args, Path(args.output_dir) / "tokenizer")
+    tokenizer, blocks = build_datasets(config, args, points)
     num_shards = args.world_size // (getattr(args, "pipeline_stages", 1) or 1)
     check_enough_blocks(len(blocks["train"]), num_shards, args.per_device_train_batch_size)
     check_enough_blocks(len(blocks["validation"]), 1, 1, split="validation")
@@ -71,6 +140,40 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None) -> d
         seed=args.seed,
     )
     set_model_max_length(tokenizer, model.config)
+    trainer = build_trainer(config, args, model, tokenizer, blocks)
+    # Ranks without a shared disk each build their tokenizer and data: they must have built the same ones.
+    inputs = {
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "train_data": dataset_fingerprint(blocks["train"]),
+        "validation_data": dataset_fingerprint(blocks["validation"]),
+    }
+    if isinstance(trainer, DiLoCoTrainer):
+        for name, value in inputs.items():
+            trainer.require_agreement(name, value)
+    else:
+        points.check_agree(inputs)
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    if getattr(trainer, "resumed_a_finished_run", False) and final_model_matches_checkpoint(args.output_dir, resume):
+        say_run_finished(args, resume)
+        return None
+    # The final weights are evaluated before they are saved, so the card in the folder quotes their numbers.
+    eval_metrics = trainer.evaluate()
+    eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
+    trainer.save_model()
+    metrics = {**train_result.metrics, **eval_metrics}
+    trainer.log_metrics("all", metrics)
+    trainer.save_metrics("all", metrics)
+    if args.push_to_hub:
+        trainer.push_to_hub()
+    return metrics
+
+
+def build_trainer(config: LoadedConfig, args: Any, model: Any, tokenizer: Any, blocks: Any):
+    """`DiLoCoTrainer` (or the plain `Trainer` with `trainer: ddp`) on the packed blocks, scoring perplexity."""
+    from transformers import Trainer, default_data_collator
+
+    from ..trainer import DiLoCoTrainer
+
     trainer_class = DiLoCoTrainer if config.trainer == "diloco" else Trainer
     # A pipelined model has logits only on its last stage: it evaluates the loss (its perplexity is exp of it).
     pipelined = getattr(args, "pipeline_stages", 1) > 1
@@ -87,47 +190,40 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None) -> d
     )
     if isinstance(trainer, DiLoCoTrainer):
         trainer.model_card_kwargs.update(card_data(config))
-    train_result = trainer.train(resume_from_checkpoint=resume)
-    # The final weights are evaluated before they are saved, so the card in the folder quotes their numbers.
-    eval_metrics = trainer.evaluate()
-    eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
-    trainer.save_model()
-    metrics = {**train_result.metrics, **eval_metrics}
-    trainer.log_metrics("all", metrics)
-    trainer.save_metrics("all", metrics)
-    if args.push_to_hub:
-        trainer.push_to_hub()
-    return metrics
+    return trainer
 
 
-def build_datasets(config: LoadedConfig, args: Any, tokenizer_dir: Path):
-    """Load the corpus, train (rank 0) or load the tokenizer, and pack the text into blocks."""
-    from transformers import AutoTokenizer
-
-    from ..data import build_tokenizer, load_text_dataset, tokenize_and_group
+def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
+    """
+    Load the corpus, fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, then
+    loaded from there at every start) and pack the text into blocks.
+    """
+    from ..data import load_or_train_tokenizer, load_text_dataset, tokenize_and_group
 
     data_spec = config.section("data")
     raw = load_text_dataset(data_spec)
-    with args.main_process_first(local=False, desc="training the tokenizer"):
-        if args.process_index == 0:
-            tokenizer = build_tokenizer(config.section("tokenizer"), raw["train"]["text"])
-            tokenizer.save_pretrained(tokenizer_dir)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with points.main_process_first(args.process_index == 0, "the run's tokenizer (trained or loaded by rank 0 first)"):
+        tokenizer = load_or_train_tokenizer(
+            Path(args.output_dir) / "tokenizer", config.section("tokenizer"), raw["train"]["text"]
+        )
     blocks = tokenize_and_group(
         raw,
         tokenizer,
-        block_size=data_spec.get("block_size", 256),
+        block_size=_block_size(config),
         num_proc=data_spec.get("num_proc"),
         group_batch_size=data_spec.get("group_batch_size", 1000),
     )
     return tokenizer, blocks
 
 
+def _block_size(config: LoadedConfig) -> int:
+    return config.section("data").get("block_size", DEFAULT_BLOCK_SIZE)
+
+
 def card_data(config: LoadedConfig) -> dict[str, Any]:
     """What the model card says about the training data: its name, Hub id (when it is one) and a description."""
     data = config.section("data")
-    block_size = data.get("block_size", 256)
+    block_size = _block_size(config)
     if data.get("source", "datasets" if data.get("path") else "stdlib") == "stdlib":
         tests = "included" if data.get("include_tests") else "excluded"
         return {
@@ -178,15 +274,20 @@ def perplexity_hooks():
     return compute_metrics, nll_per_example
 
 
-def last_checkpoint(output_dir: str, use_diloco: bool) -> str | None:
-    """The newest checkpoint to resume from: for DiLoCo runs, the newest *complete* one (see hf_diloco.checkpointing)."""
+def checkpoint_to_resume_from(output_dir: str, use_diloco: bool) -> str | None:
+    """
+    The checkpoint an `auto_resume` run continues from. DiLoCo: the newest complete one, and a `CheckpointError` when
+    the folder holds checkpoints of which none verifies (see `hf_diloco.checkpointing.checkpoint_to_resume`), so a
+    run never starts over where an earlier run's state exists. The DDP baseline's checkpoints have no manifest: its
+    newest one.
+    """
     from transformers.trainer_utils import get_last_checkpoint
 
-    from ..checkpointing import last_complete_checkpoint
+    from ..checkpointing import checkpoint_to_resume
 
-    if not os.path.isdir(output_dir):
+    if not Path(output_dir).is_dir():
         return None
-    return last_complete_checkpoint(output_dir) if use_diloco else get_last_checkpoint(output_dir)
+    return checkpoint_to_resume(output_dir) if use_diloco else get_last_checkpoint(output_dir)
 
 
 def check_resumable(checkpoint: str, args: Any, use_diloco: bool) -> None:
@@ -208,22 +309,26 @@ def check_resumable(checkpoint: str, args: Any, use_diloco: bool) -> None:
         )
 
 
-def _already_finished(checkpoint: str, args: Any) -> bool:
-    """True (after saying so on the main process) when `checkpoint` is at or past this run's last step."""
-    state_file = Path(checkpoint) / "trainer_state.json"
-    if args.max_steps <= 0 or not state_file.is_file():
-        return False
-    step = json.loads(state_file.read_text()).get("global_step", 0)
-    if step < args.max_steps:
-        return False
-    if args.process_index == 0:
-        print(
-            f"{args.output_dir} already holds a finished run ({Path(checkpoint).name}, step {step} of max_steps "
-            f"{args.max_steps}); nothing to train, the folder is left as it is. To train again, pass --output_dir "
-            "with a new folder or --auto_resume false; to train longer, raise --max_steps.",
-            file=sys.stderr,
-        )
-    return True
+def say_run_finished(args: Any, checkpoint: str) -> None:
+    """Tell (on the main process) that `output_dir` holds a finished run that is left as it is, and the ways out."""
+    from ..checkpointing import read_trainer_state
+
+    if args.process_index != 0:
+        return
+    step = read_trainer_state(checkpoint).get("global_step")
+    print(
+        f"{args.output_dir} already holds a finished run ({Path(checkpoint).name}, step {step} of max_steps "
+        f"{args.max_steps}); nothing to train, the folder is left as it is. To train again, pass --output_dir "
+        "with a new folder or --auto_resume false; to train longer, raise --max_steps.",
+        file=sys.stderr,
+    )
+
+
+def _baseline_run_finished(checkpoint: str, args: Any) -> bool:
+    """The plain Trainer resumed at its last step would train one step more: the DDP baseline stops before that."""
+    from ..checkpointing import read_trainer_state
+
+    return 0 < args.max_steps <= read_trainer_state(checkpoint).get("global_step", 0)
 
 
 def _configure_logging(args: Any) -> None:
@@ -237,11 +342,3 @@ def _configure_logging(args: Any) -> None:
     if not args.should_log:
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
-
-
-def _finish_distributed() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

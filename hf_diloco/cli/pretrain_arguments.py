@@ -2,7 +2,9 @@
 
 - `--config` (a file or a shipped config name), `--trainer`, `--auto_resume`: the config's top level.
 - Every `TrainingArguments` field (`--max_steps`, `--output_dir`, ...) and, with `trainer: diloco`, every DiLoCo
-  field (`--inner_steps`, `--compression`, ...): the `training:` and `diloco:` sections are their defaults.
+  field (`--inner_steps`, `--compression`, ...): the `training:` and `diloco:` sections are their defaults. A DiLoCo
+  field is taken from the first of: the command line > its `DILOCO_<FIELD>` environment variable > the `diloco:`
+  section > the field's default (`DILOCO_*` variables with `trainer: ddp` are an error, not ignored).
 - `--model.KEY`, `--tokenizer.KEY`, `--data.KEY` set a key of those sections (`--data.block_size 128`), and
   `--model.config.FIELD` one field of the model's config (`--model.config.hidden_size 64`). Values are read as YAML
   (`--data.data_files '{train: corpus.txt}'`).
@@ -12,12 +14,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Sequence
+import os
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
+from transformers import TrainingArguments
 
-from .config_file import TRAINERS, LoadedConfig, apply_overrides, read_config
+from ..core.config import ENV_PREFIX, DiLoCoConfig, diloco_field_names
+from ..job_config import TRAINERS, LoadedConfig, apply_overrides, parse_bool_option, read_config
+from ..trainer import DiLoCoTrainingArguments
 
 DEFAULT_CONFIG = "tiny_diloco"
 MODEL_CONFIG_PREFIX = "--model.config."
@@ -61,51 +68,59 @@ class PretrainCommandLine:
     """What `hf-diloco pretrain` was asked to run: the config with every override applied, and the arguments."""
 
     config: LoadedConfig
-    args: Any  # DiLoCoTrainingArguments, or TrainingArguments with trainer: ddp
+    args: Any  # DiLoCoTrainingArguments, or BaselineTrainingArguments with trainer: ddp
     auto_resume: bool
 
 
-def parse_command_line(argv: Sequence[str]) -> PretrainCommandLine:
+def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> PretrainCommandLine:
     """
     Parse the command line: read the config it names, check every override, then build the training arguments.
 
+    Args:
+        argv (`Sequence[str]`): the arguments after the command.
+        environ (`Mapping[str, str]`, *optional*): where `DILOCO_*` variables are read from (default `os.environ`).
+
     Raises:
-        `ValueError`: an unknown or misplaced key (in the file or given as a flag), naming the closest valid key.
+        `ValueError`: an unknown or misplaced key (in the file or given as a flag), naming the closest valid key; a
+            DiLoCo value that is not valid, naming where it was set (flag, variable or file).
         `SystemExit`: `--help`, or a flag argparse does not know.
     """
+    environ = os.environ if environ is None else environ
     first = argparse.ArgumentParser(add_help=False)
     first.add_argument("--config", default=DEFAULT_CONFIG)
     first.add_argument("--trainer", choices=TRAINERS)
     known, _ = first.parse_known_args(argv)
     config = read_config(known.config)
+    trainer = known.trainer or config.trainer
     argv, model_config = _split_model_config_flags(argv)
-    parser = build_parser(config, known.trainer or config.trainer)
+    parser = build_parser(config, trainer, environ)
     namespace = vars(parser.parse_args(argv))
     overrides = {key: namespace.pop(key) for key in list(namespace) if "." in key or key in ("trainer", "auto_resume")}
     overrides.update(model_config)
     namespace.pop("config")
     if overrides:
         config = apply_overrides(config, overrides)
+    if trainer == "diloco":
+        check_diloco_values(namespace, *diloco_defaults(config, trainer, environ))
     (arguments_class,) = parser.dataclass_types
-    return PretrainCommandLine(config, arguments_class(**namespace), config.values.get("auto_resume", True))
+    return PretrainCommandLine(config, arguments_class(**namespace), config.auto_resume)
 
 
-def build_parser(config: LoadedConfig, trainer: str):
+def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] | None = None):
     """
     The `hf-diloco pretrain` parser: the training arguments of `trainer` (`diloco` or `ddp`) with the config's
-    `training:` and `diloco:` values as defaults, plus the config's own flags.
+    `training:` values and the DiLoCo values of `diloco_defaults` as defaults, plus the config's own flags.
     """
-    from transformers import HfArgumentParser, TrainingArguments
-
-    from ..trainer import DiLoCoTrainingArguments
+    from transformers import HfArgumentParser
 
     use_diloco = trainer == "diloco"
     parser = HfArgumentParser(
-        DiLoCoTrainingArguments if use_diloco else TrainingArguments,
+        DiLoCoTrainingArguments if use_diloco else BaselineTrainingArguments,
         prog="hf-diloco pretrain",
         description=_description(config),
     )
-    defaults = {**config.section("training"), **(config.section("diloco") if use_diloco else {})}
+    diloco, _ = diloco_defaults(config, trainer, os.environ if environ is None else environ)
+    defaults = {**config.section("training"), **diloco}
     parser.set_defaults(**defaults)
     for action in parser._actions:
         if action.dest in defaults:
@@ -114,10 +129,94 @@ def build_parser(config: LoadedConfig, trainer: str):
     return parser
 
 
+def diloco_defaults(
+    config: LoadedConfig, trainer: str, environ: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """
+    The DiLoCo values below the command line: `DILOCO_<FIELD>` variables over the config's `diloco:` section.
+
+    Returns:
+        `(values, origins)`: the fields either layer sets, and where each came from (the variable's name or the
+        config's source).
+
+    Raises:
+        `ValueError`: a `DILOCO_*` variable names no field or does not parse (naming the closest variable), or is set
+            with `trainer: ddp`, which has no DiLoCo settings.
+    """
+    variables = sorted(name for name in environ if name.startswith(ENV_PREFIX))
+    if trainer != "diloco":
+        if variables:
+            raise ValueError(
+                f"{', '.join(variables)} set in the environment, but this run has trainer: ddp, which has no DiLoCo "
+                "settings: unset the DILOCO_* variables, or run trainer: diloco."
+            )
+        return {}, {}
+    from_environment, sources = DiLoCoConfig.layered_fields({}, environ)
+    values = config.section("diloco")
+    origins = dict.fromkeys(values, config.source)
+    for name, source in sources.items():
+        if source != "default":
+            values[name], origins[name] = from_environment[name], source
+    return values, origins
+
+
+def check_diloco_values(namespace: Mapping[str, Any], defaults: Mapping[str, Any], origins: Mapping[str, str]) -> None:
+    """
+    Validate the DiLoCo fields of a parsed command line before anything is built, including that
+    `global_copy_device` is a device this machine has; a `ValueError` says where each field it names was set (the
+    command line, a `DILOCO_*` variable or the config file).
+    """
+    values = {name: namespace[name] for name in diloco_field_names()}
+    field_defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
+    set_by = {}
+    for name, value in values.items():
+        if name in defaults and value == defaults[name]:
+            set_by[name] = origins[name]
+        elif value != defaults.get(name, field_defaults[name]):
+            set_by[name] = "the command line"
+    try:
+        DiLoCoConfig(**values)
+        check_device_exists(values["global_copy_device"], "global_copy_device")
+    except ValueError as error:
+        named = [f"{name} by {source}" for name, source in set_by.items() if re.search(rf"\b{name}\b", str(error))]
+        raise ValueError(f"{error}" + (f" (set: {'; '.join(named)})" if named else "")) from None
+
+
+def check_device_exists(name: str, setting: str) -> None:
+    """Raise `ValueError` unless `name` is a torch device this machine has (`cpu`, `cuda`, `cuda:1`, ...)."""
+    import torch
+
+    way_out = (
+        f"Set {setting} to cpu (host memory, the default) or to a device this machine has (cuda:N, N below its GPU "
+        "count)."
+    )
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{setting} {name!r} is not a device: {error}. {way_out}") from None
+    if device.type == "cpu":
+        return
+    backend = getattr(torch, device.type, None)
+    count = backend.device_count() if device.type != "meta" and hasattr(backend, "device_count") else 0
+    if count == 0 or (device.index is not None and device.index >= count):
+        raise ValueError(
+            f"{setting} {name!r} names a device this machine does not have ({count} {device.type} "
+            f"device(s) here). {way_out}"
+        )
+
+
+@dataclasses.dataclass(repr=False)
+class BaselineTrainingArguments(TrainingArguments):
+    """The `TrainingArguments` of the plain data-parallel baseline (`trainer: ddp`). Like `DiLoCoTrainingArguments`,
+    its pickle (`training_args.bin`, in every checkpoint and saved folder) leaves out every `*_token`."""
+
+    __getstate__ = DiLoCoTrainingArguments.__getstate__
+    __copy__ = DiLoCoTrainingArguments.__copy__
+    __deepcopy__ = DiLoCoTrainingArguments.__deepcopy__
+
+
 def _add_config_flags(parser: argparse.ArgumentParser, config: LoadedConfig) -> None:
     """`--config`, `--trainer`, `--auto_resume` and the section flags; their help shows the config's values."""
-    from transformers.hf_argparser import string_to_bool
-
     group = parser.add_argument_group("The config file and its top level")
     group.add_argument(
         "--config",
@@ -132,13 +231,12 @@ def _add_config_flags(parser: argparse.ArgumentParser, config: LoadedConfig) -> 
     )
     group.add_argument(
         "--auto_resume",
-        type=string_to_bool,
+        type=_auto_resume_flag,
         nargs="?",
         const=True,
         default=argparse.SUPPRESS,
         metavar="{true,false}",
-        help="Resume from the newest complete checkpoint in output_dir. "
-        f"(config: {str(config.values.get('auto_resume', True)).lower()})",
+        help=f"Resume from the newest complete checkpoint in output_dir. (config: {str(config.auto_resume).lower()})",
     )
     for section, keys in SECTION_FLAGS.items():
         values = config.section(section)
@@ -155,6 +253,13 @@ def _add_config_flags(parser: argparse.ArgumentParser, config: LoadedConfig) -> 
             group.add_argument(
                 f"--{section}.{key}", type=_yaml_value, default=argparse.SUPPRESS, metavar="VALUE", help=text + shown
             )
+
+
+def _auto_resume_flag(text: str) -> bool:
+    try:
+        return parse_bool_option("auto_resume", text, source="--auto_resume")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _inline_yaml(value: Any) -> str:
