@@ -9,7 +9,7 @@ __all__ = ["DiLoCoConfig", "DiLoCo", "Topology", "DiLoCoTrainer", "DiLoCoTrainin
 _LAZY = {
     "DiLoCoTrainer": ("trainer", "DiLoCoTrainer"),
     "DiLoCoTrainingArguments": ("trainer", "DiLoCoTrainingArguments"),
-    "DiLoCoPlugin": ("accelerate_plugin", "DiLoCoPlugin"),
+    "DiLoCoPlugin": ("integrations.accelerate_plugin", "DiLoCoPlugin"),
 }
 
 
