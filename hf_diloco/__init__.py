@@ -7,8 +7,8 @@ from .core.topology import Topology
 __all__ = ["DiLoCoConfig", "DiLoCo", "Topology", "DiLoCoTrainer", "DiLoCoTrainingArguments", "DiLoCoPlugin"]
 
 _LAZY = {
-    "DiLoCoTrainer": ("trainer", "DiLoCoTrainer"),
-    "DiLoCoTrainingArguments": ("trainer", "DiLoCoTrainingArguments"),
+    "DiLoCoTrainer": ("integrations.trainer", "DiLoCoTrainer"),
+    "DiLoCoTrainingArguments": ("integrations.trainer", "DiLoCoTrainingArguments"),
     "DiLoCoPlugin": ("integrations.accelerate_plugin", "DiLoCoPlugin"),
 }
 
