@@ -56,20 +56,21 @@ class Checkpoints:
           over; a named checkpoint is verified against its manifest first.
         - A checkpoint written by another number of processes or for another model architecture is refused before
           anything is loaded.
-        - Before any work, every rank checks with one all-gather that the settings which must agree do
-          (`settings_that_must_agree`); each global point waits at most `sync_timeout_seconds` for the other ranks
-          and then fails naming the ranks that did not arrive.
+        - Before the first step, the engine's start-up check (one all-gather) tells whether the settings that must
+          agree (`settings_that_must_agree`) do; when they differ every rank raises `SettingsMismatchError` naming
+          them. Each global point waits at most `sync_timeout_seconds` for the other ranks and then fails naming the
+          ranks that did not arrive.
         - Resuming from a checkpoint at or past the last step trains nothing and writes nothing: `trainer.model`
           gets the checkpoint's (global) weights, `resumed_a_finished_run` is set and the output folder is left as
-          it is.
+          it is (the settings are checked first, with one exchange: no engine starts).
         """
         self.resumed_a_finished_run = False
         checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
         if checkpoint is not None:
             self._check_checkpoint_fits(checkpoint)
-        self._check_ranks_agree(checkpoint)
-        if checkpoint is not None and self._run_was_finished(checkpoint):
-            return self._leave_finished_run(checkpoint)
+            if self._run_was_finished(checkpoint):
+                self._check_ranks_agree(checkpoint)
+                return self._leave_finished_run(checkpoint)
         return super().train(checkpoint, *args, **kwargs)
 
     def _checkpoint_to_resume(self, resume_from_checkpoint: str | bool | os.PathLike | None) -> str | None:

@@ -19,7 +19,8 @@ class EngineLifecycle:
     """
     Mixin of [`DiLoCoTrainer`]: process groups, model wrapping and the engine of each `train()` call.
 
-    Relies on `_make_global_point_group` (`RankAgreement`) and `_load_diloco_state` (`Checkpoints`).
+    Relies on `_settings_fingerprint`, `_naming_disagreements` and `_make_global_point_group` (`RankAgreement`), and
+    on `_load_diloco_state` (`Checkpoints`).
 
     Attributes:
         diloco_topology (`Topology`): this rank's worker, data-parallel index and process groups.
@@ -73,15 +74,17 @@ class EngineLifecycle:
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if self._session is not None:
             self._session.engine.close()
-        self._session = EngineSession.start(
-            self.diloco_module,
-            self.optimizer,
-            self.args.diloco_config(),
-            self._get_topology(),
-            total_steps=max_steps,
-            announce=self.is_world_process_zero(),
-            num_blocks=self.diloco_num_blocks,
-        )
+        with self._naming_disagreements(resume_from_checkpoint):
+            self._session = EngineSession.start(
+                self.diloco_module,
+                self.optimizer,
+                self.args.diloco_config(),
+                self._get_topology(),
+                total_steps=max_steps,
+                announce=self.is_world_process_zero(),
+                num_blocks=self.diloco_num_blocks,
+                extra_fingerprint=self._settings_fingerprint(resume_from_checkpoint),
+            )
         self._model_is_global = False
         self._final_metrics = {}
         if resume_from_checkpoint is not None:

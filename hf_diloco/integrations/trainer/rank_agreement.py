@@ -1,8 +1,10 @@
 """What every rank of a `DiLoCoTrainer` run must share, and the global points where all ranks meet.
 
 The settings that must agree (`settings_that_must_agree`: schedule, seeds, model config, DiLoCo settings, the
-checkpoint resumed from, and what `require_agreement` adds) are exchanged once at the start of `train()`
-(`hf_diloco.global_points.check_ranks_agree`), which names what differs and where.
+checkpoint resumed from, and what `require_agreement` adds) reach the engine as its `extra_fingerprint`, so the
+engine's start-up check, one all-gather, covers them. Only when that check finds the ranks disagreeing (a
+`ValueError` on every rank alike) do the ranks exchange the settings themselves (`hf_diloco.global_points.
+check_ranks_agree`), to name what differs and where.
 
 Every other meeting of all ranks (saving a checkpoint, the Trainer's own barrier inside a save, the end of a job) is a
 bounded `monitored_barrier` on a gloo group of all ranks: it fails within `sync_timeout_seconds` naming the ranks that
@@ -12,13 +14,16 @@ did not arrive.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from ...checkpointing import read_trainer_state
-from ...global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
+from ...core import agreement
+from ...global_points import check_ranks_agree, fingerprint, global_point_group, wait_for_all_ranks
 from ...modeling import architecture
 
 
@@ -64,6 +69,10 @@ class RankAgreement:
         settings.update(self._settings_that_must_agree)
         return settings
 
+    def _settings_fingerprint(self, checkpoint: str | None = None) -> str:
+        """The fingerprint of `settings_that_must_agree(checkpoint)` that the engine's start-up check compares."""
+        return fingerprint(self.settings_that_must_agree(checkpoint))
+
     def _check_ranks_agree(self, checkpoint: str | None = None) -> None:
         """Exchange `settings_that_must_agree` and raise `SettingsMismatchError` naming each one that differs."""
         check_ranks_agree(
@@ -72,6 +81,16 @@ class RankAgreement:
             self.args.sync_timeout_seconds,
             point="the start of training",
         )
+
+    @contextlib.contextmanager
+    def _naming_disagreements(self, checkpoint: str | None) -> Iterator[None]:
+        """Around the engine's start: when its start-up check finds that the ranks disagree, name what differs."""
+        try:
+            yield
+        except ValueError as error:
+            if _raised_by_the_start_up_check(error):
+                self._check_ranks_agree(checkpoint)  # raises when a setting the trainer knows differs
+            raise
 
     # ---- bounded global points ----
 
@@ -103,6 +122,16 @@ class RankAgreement:
             yield
         finally:
             dist.barrier = original
+
+
+def _raised_by_the_start_up_check(error: ValueError) -> bool:
+    # The engine's start-up check raises a ValueError on every rank alike when the all-gathered values differ; any
+    # other ValueError of the engine's construction may be raised on some ranks only, which must not meet again.
+    source = Path(agreement.__file__)
+    return any(
+        frame.name == agreement.check_workers_agree.__name__ and Path(frame.filename) == source
+        for frame in traceback.extract_tb(error.__traceback__)
+    )
 
 
 def _length(dataset: Any) -> int | None:
