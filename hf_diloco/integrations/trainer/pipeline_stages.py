@@ -19,7 +19,7 @@ this needs:
 - data: Accelerate shards by world rank, which would hand the stages of one pipeline different batches; the
   dataloaders are sharded by `Topology.data_shard` instead, one shard per (worker, data-parallel replica);
 - evaluation reports the loss only (logits stay on the last stage): each pipeline evaluates its shard, and the
-  sums are added over the world once at the end (a deliberate global point, like the Trainer's own gathers);
+  sums are added over the world once at the end (a global point, bounded by `sync_timeout_seconds`);
 - saving gathers theta_g of the stages inside each worker (fast link only) and rank 0 writes one normal
   `save_pretrained` folder; loading reads only the stage's tensors from a folder written with any stage count.
 
@@ -47,6 +47,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
+from ...global_points import wait_for_all_ranks
 from ...parallel.pipeline import IGNORE_INDEX, PipelineRunner, count_loss_tokens
 from ..accelerate_worker import prepare_without_ddp
 from .attributes import temporarily_set
@@ -281,10 +282,10 @@ class PipelineTrainerMixin:
             totals = self._pipeline_eval_sums(dataloader)
         if self._get_topology().stage_index != 0:
             totals.zero_()  # every stage of a pipeline saw the same loss: count each pipeline once
-        if dist.is_available() and dist.is_initialized():
-            totals = totals.to(self.args.device)
-            dist.all_reduce(totals)
-            totals = totals.cpu()
+        group = self._global_points
+        if group is not None:
+            wait_for_all_ranks(group, f"the end of evaluation ({description})", self.args.sync_timeout_seconds)
+            dist.all_reduce(totals, group=group)
         samples = int(totals[1])
         metrics = {f"{metric_key_prefix}_loss": float(totals[0] / totals[1]) if samples else float("nan")}
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=metrics, num_samples=samples)
