@@ -7,9 +7,9 @@ from .core.topology import Topology
 __all__ = ["DiLoCoConfig", "DiLoCo", "Topology", "DiLoCoTrainer", "DiLoCoTrainingArguments", "DiLoCoPlugin"]
 
 _LAZY = {
-    "DiLoCoTrainer": ("trainer", "DiLoCoTrainer"),
-    "DiLoCoTrainingArguments": ("trainer", "DiLoCoTrainingArguments"),
-    "DiLoCoPlugin": ("accelerate_plugin", "DiLoCoPlugin"),
+    "DiLoCoTrainer": ("integrations.trainer", "DiLoCoTrainer"),
+    "DiLoCoTrainingArguments": ("integrations.trainer", "DiLoCoTrainingArguments"),
+    "DiLoCoPlugin": ("integrations.accelerate_plugin", "DiLoCoPlugin"),
 }
 
 

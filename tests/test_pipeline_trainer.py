@@ -88,9 +88,15 @@ def _args(out: str, batch: int, **overrides) -> DiLoCoTrainingArguments:
     return DiLoCoTrainingArguments(**cpu_trainer_args(out, **{**pipeline_run, **overrides}))
 
 
-def _train(scenario: str, out: str, resume: str | None = None, **overrides) -> DiLoCoTrainer:
+class _Subclass(DiLoCoTrainer):
+    """A user's subclass: with pipeline stages it is built with the pipeline in front of it."""
+
+
+def _train(
+    scenario: str, out: str, resume: str | None = None, trainer_class: type = DiLoCoTrainer, **overrides
+) -> DiLoCoTrainer:
     arch, padded, batch, diloco = SCENARIOS[scenario]
-    trainer = DiLoCoTrainer(
+    trainer = trainer_class(
         model=_model(arch),
         args=_args(out, batch, **{**diloco, **overrides}),
         train_dataset=_dataset(padded),
@@ -108,6 +114,7 @@ def _summary(trainer: DiLoCoTrainer) -> dict:
         "fragments": trainer.diloco.fragment_names(),
         "optimizer_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
         "model_numel": sum(p.numel() for p in trainer.model.parameters()),
+        "classes": [cls.__name__ for cls in type(trainer).__mro__[:3]],
     }
 
 
@@ -119,7 +126,8 @@ def _two_processes(rank: int, world: int, out: str) -> dict:
         trainer.save_model(f"{out}/{scenario}_saved")
     # Resume the Llama pipeline from a mid-round checkpoint (step 6, H = 4).
     _train("llama", f"{out}/ckpt", pipeline_stages=2, save_strategy="steps", save_steps=CHECKPOINT)
-    resumed = _train("llama", f"{out}/resumed", resume=f"{out}/ckpt/checkpoint-{CHECKPOINT}", pipeline_stages=2)
+    checkpoint = f"{out}/ckpt/checkpoint-{CHECKPOINT}"
+    resumed = _train("llama", f"{out}/resumed", resume=checkpoint, trainer_class=_Subclass, pipeline_stages=2)
     results["resumed"] = _summary(resumed)
     results["reference_2w"] = _summary(_train("llama_2w", f"{out}/reference_2w"))
     return results
@@ -215,6 +223,9 @@ def test_one_worker_two_stages_equals_no_pipeline(runs, scenario):
         assert ("lm_head.weight" in run["global"]) == (scenario == "llama" and rank is two[1])
         assert run["optimizer_params"] == own + tied_copy < sum(v.numel() for v in single[scenario]["global"].values())
         assert run["model_numel"] == own + tied_copy, "the other stages' parameters must be freed"
+        # Pipelining is decided once, at construction: DiLoCoTrainer(...) built the pipelined class.
+        assert run["classes"] == ["PipelinedDiLoCoTrainer", "PipelineTrainerMixin", "DiLoCoTrainer"]
+    assert single[scenario]["classes"][:2] == ["DiLoCoTrainer", "EngineLifecycle"]
 
 
 @pytest.mark.timeout(900)
@@ -282,6 +293,7 @@ def test_pipelined_run_resumes_bitwise_from_mid_round_checkpoint(runs):
     _, two, _, _ = runs
     for rank in two:
         full, resumed = rank["llama"], rank["resumed"]
+        assert resumed["classes"] == ["Pipelined_Subclass", "PipelineTrainerMixin", "_Subclass"]
         for name, value in full["global"].items():
             assert torch.equal(resumed["global"][name], value), name
         ran = {step: loss for step, loss in resumed["losses"].items() if step > CHECKPOINT}

@@ -232,3 +232,25 @@ def test_shuffled_loader_gets_the_seedable_sampler(torchrun_loop):
     for rank in ranks:
         assert rank["shuffled_default"] is None
         assert rank["shuffled_seedable"] is None
+
+
+# ------------------------------------------------------------------------------------------------ no transformers
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_path_never_imports_transformers(tmp_path):
+    """`import hf_diloco.accelerate_plugin` and a plugin loop (DDP inside a worker of 2 processes, save_state and
+    load_state) in processes where `import transformers` fails: they train, save and never ask for it."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+        str(REPO / "tests" / "scripts" / "plugin_without_transformers.py"), str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=250)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    for rank in range(2):
+        assert (
+            f"rank {rank}: inner_step=6 outer_steps=3 ddp=DistributedDataParallel saved=True "
+            "transformers_imported=False blocked=[]"
+        ) in result.stdout, result.stdout[-3000:]

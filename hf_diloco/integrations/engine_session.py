@@ -1,0 +1,105 @@
+"""One DiLoCo engine inside a training loop, run the same way by every front-end.
+
+`EngineSession.start` creates the engine (whose start-up check all-gathers, once, what every rank must agree on) and
+has the main process say what the run is about to do (`run_summary`, and the short-run warning of the outer
+momentum). The loop then reports the start and the end of every inner step (`step_begin` / `step_end`): the engine
+steps after each real inner optimizer step, and the time between the two, less the outer-sync wait inside it, is the
+`diloco/compute_utilization` that `metrics()` adds to the engine's own. `close()` applies what is in flight and
+copies theta_g into the model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..core.config import DiLoCoConfig
+from ..core.diloco import DiLoCo
+from ..core.topology import Topology
+from ..monitoring import ComputeUtilization
+from ..run_summary import run_summary
+
+logger = logging.getLogger(__name__)
+
+
+class EngineSession:
+    """
+    A started [`DiLoCo`] engine and the timing of the inner steps around it.
+
+    Args:
+        engine (`DiLoCo`): the engine (see `EngineSession.start`).
+
+    Attributes:
+        engine (`DiLoCo`): the engine.
+        utilization (`ComputeUtilization`): the share of wall time spent computing inner steps.
+    """
+
+    def __init__(self, engine: DiLoCo):
+        self.engine = engine
+        self.utilization = ComputeUtilization(lambda: engine.stats["sync_wait_seconds"])
+
+    @classmethod
+    def start(
+        cls,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        config: DiLoCoConfig,
+        topology: Topology,
+        total_steps: int,
+        steps_label: str = "steps",
+        announce: bool = False,
+        num_blocks: int | None = None,
+        extra_fingerprint: str = "",
+    ) -> EngineSession:
+        """
+        Create the engine and, when `announce`, log the start-up line and the short-run warning.
+
+        Args:
+            model, inner_optimizer, config, topology, num_blocks, extra_fingerprint: passed to [`DiLoCo`].
+            total_steps (`int`): the inner steps the run will take (0 when unknown).
+            steps_label (`str`, *optional*): what the start-up line calls those steps.
+            announce (`bool`, *optional*): whether this process speaks for the run (the main process).
+        """
+        engine = DiLoCo(
+            model,
+            inner_optimizer,
+            config,
+            topology=topology,
+            num_blocks=num_blocks,
+            extra_fingerprint=extra_fingerprint,
+        )
+        if announce:
+            logger.warning(run_summary(engine, total_steps, steps_label))
+            warning = config.short_run_warning(total_steps) if total_steps > 0 else None
+            if warning:
+                logger.warning(warning)
+        return cls(engine)
+
+    def step_begin(self) -> None:
+        """An inner step starts (repeated calls before `step_end`, one per micro-batch, keep the first)."""
+        self.utilization.step_begin()
+
+    def step_end(self, skipped: bool) -> None:
+        """An inner step ended; `skipped`: its optimizer step did not happen (a GradScaler skipped it)."""
+        if not skipped:
+            self.engine.step()
+        self.utilization.step_end()
+
+    def metrics(self) -> dict[str, float]:
+        """`diloco/*` scalars, computed locally (no collective)."""
+        logs = self.engine.metrics()
+        logs["diloco/compute_utilization"] = self.utilization.value()
+        return logs
+
+    def close(self) -> None:
+        """Apply every exchange in flight and sync the tails (`DiLoCo.close`), then copy theta_g into the model."""
+        self.engine.close()
+        self.copy_global_parameters_into_model()
+
+    @torch.no_grad()
+    def copy_global_parameters_into_model(self) -> None:
+        params = dict(self.engine.model.named_parameters())
+        for name, value in self.engine.global_parameters().items():
+            params[name].copy_(value)

@@ -1,0 +1,85 @@
+"""Each rank's DiLoCo state on disk, one file per rank next to the front-end's own checkpoint files.
+
+Workers differ in their local parameters, inner optimizer and residuals, so every rank writes `diloco_state_rank{r}.pt`
+(the engine's `state_dict()`, the number of processes that wrote it, and what the front-end adds) and reads back only
+its own. A folder written by another number of processes is refused with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.diloco import DiLoCo
+
+RANK_STATE_NAME = "diloco_state_rank{rank}.pt"
+_RANK_STATE_RE = re.compile(r"^diloco_state_rank(\d+)\.pt$")
+
+
+def rank_state_path(folder: str | os.PathLike, rank: int) -> Path:
+    """Where rank `rank` keeps its DiLoCo state in `folder`."""
+    return Path(folder) / RANK_STATE_NAME.format(rank=rank)
+
+
+def ranks_with_state(folder: str | os.PathLike) -> list[int]:
+    """The ranks whose DiLoCo state `folder` holds, sorted."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted(int(match.group(1)) for match in map(_RANK_STATE_RE.match, names) if match)
+
+
+def save_rank_state(
+    folder: str | os.PathLike, rank: int, world_size: int, engine: DiLoCo, extra: Mapping[str, Any] | None = None
+) -> Path:
+    """Write this rank's engine state (and `extra`, e.g. buffers) to `folder`; returns the file."""
+    path = rank_state_path(folder, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"engine": engine.state_dict(), "world_size": world_size, **(extra or {})}, path)
+    return path
+
+
+def load_rank_state(
+    folder: str | os.PathLike, rank: int, world_size: int, engine: DiLoCo, required: bool = True
+) -> dict[str, Any] | None:
+    """
+    Restore this rank's engine state from `folder`.
+
+    Args:
+        folder (`str` or `os.PathLike`): a folder `save_rank_state` wrote into.
+        rank (`int`), world_size (`int`): this process's rank and the number of processes of this run.
+        engine (`DiLoCo`): the engine to restore.
+        required (`bool`, *optional*): when `False`, a folder that holds no DiLoCo state at all returns `None`.
+
+    Returns:
+        `dict` or `None`: everything the file holds (the front-end restores its own `extra` from it).
+
+    Raises:
+        `FileNotFoundError`: this rank's file is missing (the folder holds the state of other ranks, or none).
+        `ValueError`: the state was written by another number of processes.
+    """
+    path = rank_state_path(folder, rank)
+    if not path.is_file():
+        written = ranks_with_state(folder)
+        if not written and not required:
+            return None
+        reason = (
+            f"{folder} holds the DiLoCo state of rank(s) {written} and this run has {world_size} processes"
+            if written
+            else f"{folder} holds no DiLoCo state (it was saved without DiLoCo)"
+        )
+        raise FileNotFoundError(
+            f"{path} is missing: {reason}. Resume with the number of processes that saved it, or start a new run in "
+            "another output folder."
+        )
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["world_size"] != world_size:
+        raise ValueError(
+            f"{folder} was written by {state['world_size']} processes, this run has {world_size}: resume with "
+            f"{state['world_size']} processes, or start a new run in another output folder."
+        )
+    engine.load_state_dict(state["engine"])
+    return state

@@ -1,0 +1,110 @@
+"""`DiLoCoTrainer`: DiLoCo as a drop-in for `Trainer`, assembled from one mixin per concern.
+
+The Trainer keeps doing what it does (data, inner AdamW and LR schedule, logging, checkpoints); the glue makes sure
+that nothing it does crosses workers between outer syncs, and hands every real inner optimizer step to the `DiLoCo`
+engine (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming DiLoCo, arXiv 2501.18512). Where each part lives:
+
+- `engine_lifecycle.py`: process groups, the model wrapped for its worker, the engine of each `train()`;
+- `worker_collectives.py`: the Trainer's per-step gathers, loss scale, logging and FLOs inside the worker (TRL too);
+- `checkpoints.py`: atomic checkpoints with each rank's DiLoCo state, resume, the run that was already finished;
+- `rank_agreement.py`: the settings every rank must share, and the bounded global points;
+- `global_model.py`: evaluation and saving on theta_g, the model card, the push to the Hub;
+- `pipeline_stages.py`: the pipelined trainer (`pipeline_stages` > 1), chosen here at construction.
+
+The default process group stays the whole world, so the Trainer's rank-based file names, `should_save` on global
+rank 0 and Accelerate's data sharding by world rank keep working (with `pipeline_stages == 1` world-rank sharding
+gives every (worker, data-parallel replica) pair its own shard).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from torch import nn
+from transformers import Trainer
+
+from .arguments import DiLoCoTrainingArguments
+from .checkpoints import Checkpoints
+from .engine_lifecycle import EngineLifecycle, EngineStepCallback
+from .global_model import GlobalModel
+from .pipeline_stages import PipelineTrainerMixin
+from .rank_agreement import RankAgreement
+from .worker_collectives import WorkerCollectives
+
+
+class DiLoCoTrainer(EngineLifecycle, Checkpoints, RankAgreement, GlobalModel, WorkerCollectives, Trainer):
+    """
+    A [`~transformers.Trainer`] that trains with DiLoCo: every worker runs the Trainer's own inner optimizer and LR
+    schedule on its shard of the data, and the `DiLoCo` engine averages the workers' progress every `inner_steps`
+    steps. Takes exactly the arguments of `Trainer`; `args` must be a [`DiLoCoTrainingArguments`].
+
+    Attributes:
+        diloco (`DiLoCo` or `None`): the engine of the current (or last) `train()` call.
+        diloco_topology (`Topology`): this rank's worker, data-parallel index and process groups.
+        pipeline_runner (`PipelineRunner` or `None`): this rank's pipeline stage, `None` when `pipeline_stages` is 1.
+
+    Notes:
+        - The model that `evaluate`, `predict`, `save_model` and checkpoints see is the global model theta_g; after
+          `train()`, `trainer.model` holds theta_g.
+        - Checkpoints hold, besides the Trainer's files, `diloco_state_rank{rank}.pt` per rank: the engine state
+          (theta_g, outer optimizer, this rank's local parameters and inner optimizer, exchanges in flight), buffers
+          and grad scaler. Workers differ in all the local parts, so the inner optimizer and grad scaler are stored
+          there only (no `optimizer.pt` / `scaler.pt`); `scheduler.pt` holds the LR schedule, the same on every rank.
+          Resuming needs the same number of processes.
+        - The model card (`README.md` of every saved folder) quotes only evaluations of the weights in that folder:
+          after `train()`, those of `evaluate()` calls on the final model, and `save_metrics` keeps it equal to
+          `all_results.json`. Arguments of `create_model_card` (and `push_to_hub`) are kept in `model_card_kwargs`
+          for every later card.
+        - Composes with other `Trainer` subclasses (e.g. TRL's `SFTTrainer`) in either base-class order: the loss
+          scale and the per-step gathers stay inside the worker whatever `compute_loss` / `training_step` the class
+          ends with.
+        - Logged `loss` is the worker's loss (averaged over its data-parallel processes), `num_input_tokens_seen`
+          counts the worker's tokens, and `diloco/*` metrics come from the engine.
+        - With `pipeline_stages` > 1 the trainer built is a `PipelinedDiLoCoTrainer` (of a subclass: the subclass
+          with [`~hf_diloco.pipeline_trainer.PipelineTrainerMixin`] in front): each rank trains, syncs and keeps the
+          state of its own pipeline stage only (`trainer.pipeline_runner.stage_module`; the other stages' parameters
+          in `trainer.model` are freed).
+    """
+
+    pipeline_runner = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DiLoCoTrainer:
+        arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if getattr(arguments, "pipeline_stages", 1) > 1:
+            cls = _pipelined(cls)
+        return super().__new__(cls)
+
+    def __init__(self, model: nn.Module | None = None, args: DiLoCoTrainingArguments | None = None, *pos, **kwargs):
+        if args is None:
+            args = DiLoCoTrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, DiLoCoTrainingArguments):
+            raise TypeError(
+                f"DiLoCoTrainer needs DiLoCoTrainingArguments, got {type(args).__name__}: build them with the same "
+                "keywords plus the DiLoCo fields."
+            )
+        self.model_card_kwargs: dict[str, Any] = {}
+        self._settings_that_must_agree: dict[str, Any] = {}
+        self._final_metrics: dict[str, float] = {}  # evaluations of the model as train() left it
+        super().__init__(model, args, *pos, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "DiLoCoTrainer needs full parameters on every process: DeepSpeed and FSDP are not supported."
+            )
+        self.add_callback(EngineStepCallback(self))
+        self._keep_collectives_in_worker()
+
+
+class PipelinedDiLoCoTrainer(PipelineTrainerMixin, DiLoCoTrainer):
+    """The [`DiLoCoTrainer`] that `DiLoCoTrainer(...)` builds when `args.pipeline_stages` > 1 (see
+    `hf_diloco.integrations.trainer.pipeline_stages`)."""
+
+
+@functools.cache
+def _pipelined(cls: type) -> type:
+    """`cls` with the pipeline stages in front: made once per class, and never twice."""
+    if issubclass(cls, PipelineTrainerMixin):
+        return cls
+    if cls is DiLoCoTrainer:
+        return PipelinedDiLoCoTrainer
+    return type(f"Pipelined{cls.__name__}", (PipelineTrainerMixin, cls), {"__module__": cls.__module__})

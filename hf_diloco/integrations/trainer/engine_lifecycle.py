@@ -1,0 +1,117 @@
+"""The engine's life inside `DiLoCoTrainer`: the rank grid, the model prepared for its worker, the engine started
+with each `train()`, stepped after every real inner optimizer step, and closed at the end with theta_g in the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from transformers import TrainerCallback
+
+from ...core.diloco import DiLoCo
+from ...core.topology import Topology
+from ..accelerate_worker import prepare_without_ddp, route_ddp_to_worker, worker_is_one_process, worker_topology
+from ..engine_session import EngineSession
+
+
+class EngineLifecycle:
+    """
+    Mixin of [`DiLoCoTrainer`]: process groups, model wrapping and the engine of each `train()` call.
+
+    Relies on `_settings_fingerprint`, `_naming_disagreements` and `_make_global_point_group` (`RankAgreement`), and
+    on `_load_diloco_state` (`Checkpoints`).
+
+    Attributes:
+        diloco_topology (`Topology`): this rank's worker, data-parallel index and process groups.
+    """
+
+    diloco_topology: Topology | None = None
+    _session: EngineSession | None = None
+
+    @property
+    def diloco(self) -> DiLoCo | None:
+        """The engine of the current (or last) `train()` call, `None` before the first."""
+        return None if self._session is None else self._session.engine
+
+    @property
+    def diloco_module(self) -> nn.Module:
+        """The module whose parameters the engine syncs (the whole model; a pipelined trainer's stage)."""
+        return self.model
+
+    @property
+    def diloco_num_blocks(self) -> int | None:
+        """Length of the whole block stack when `diloco_module` holds part of it (a pipeline stage), else `None`."""
+        return None
+
+    # ---- process groups and model wrapping ----
+
+    def _get_topology(self) -> Topology:
+        if self.diloco_topology is None:
+            _ = self.args.device  # initializes the default process group when launched distributed
+            self.diloco_topology = worker_topology(
+                self.args,
+                self.args.world_size,
+                "On a machine without GPUs pass --use_cpu (DiLoCoTrainingArguments(use_cpu=True)) or set "
+                "ACCELERATE_USE_CPU=1; to train one worker, launch one process.",
+            )
+            self._make_global_point_group()
+        return self.diloco_topology
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        route_ddp_to_worker(self.accelerator, self._get_topology())
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) is model
+        if training and unwrapped and worker_is_one_process(self.accelerator, self._get_topology()):
+            return prepare_without_ddp(self.accelerator, model)
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    # ---- the engine of one train() call ----
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        if self._session is not None:
+            self._session.engine.close()
+        with self._naming_disagreements(resume_from_checkpoint):
+            self._session = EngineSession.start(
+                self.diloco_module,
+                self.optimizer,
+                self.args.diloco_config(),
+                self._get_topology(),
+                total_steps=max_steps,
+                announce=self.is_world_process_zero(),
+                num_blocks=self.diloco_num_blocks,
+                extra_fingerprint=self._settings_fingerprint(resume_from_checkpoint),
+            )
+        self._model_is_global = False
+        self._final_metrics = {}
+        if resume_from_checkpoint is not None:
+            self._load_diloco_state(resume_from_checkpoint)
+        return model, train_dataloader
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        if self._session is not None:
+            self._close_engine()
+            self._model_is_global = True
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    def _close_engine(self) -> None:
+        """Apply what is in flight, sync the tails and copy theta_g into the model."""
+        self._session.close()
+
+
+class EngineStepCallback(TrainerCallback):
+    """Hands every inner optimizer step that really happened to the engine, and times the steps."""
+
+    def __init__(self, trainer: EngineLifecycle):
+        self._trainer = trainer
+
+    def on_step_begin(self, args, state, control, **kwargs) -> None:
+        if self._trainer._session is not None:
+            self._trainer._session.step_begin()
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self._trainer._session is not None:
+            self._trainer._session.step_end(skipped=self._trainer.accelerator.optimizer_step_was_skipped)
