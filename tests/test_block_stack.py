@@ -3,37 +3,16 @@ pipeline stage's fragments are exactly its part of the whole model's."""
 
 from __future__ import annotations
 
-import torch
-from transformers import JambaConfig, JambaForCausalLM
-
 from hf_diloco.core.fragments import find_block_stack, partition_fragments
 from hf_diloco.parallel.pipeline import build_stages
 from hf_diloco.parallel.pipeline import find_block_stack as pipeline_block_stack
+from tests.test_pipeline_families import TRAINED_FAMILIES, families
 
-LAYERS = 4
 
-
-def _tiny_jamba() -> JambaForCausalLM:
-    torch.manual_seed(0)
-    config = JambaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_layer_period=2,
-        attn_layer_offset=1,
-        expert_layer_period=2,
-        expert_layer_offset=0,
-        num_experts=4,
-        num_experts_per_tok=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_dt_rank=8,
-        use_mamba_kernels=False,
-    )
-    return JambaForCausalLM(config)
+def _tiny_jamba():
+    """The tiny Jamba the pipeline-family tests train: Mamba and attention blocks, mixture-of-experts MLPs."""
+    with families.quiet():
+        return families.build_tiny("jamba", **TRAINED_FAMILIES["jamba"])
 
 
 def _fragment_of(fragments) -> dict[str, int]:
@@ -42,6 +21,7 @@ def _fragment_of(fragments) -> dict[str, int]:
 
 def test_hybrid_stages_partition_like_the_whole_model():
     model = _tiny_jamba()
+    layers = model.config.num_hidden_layers
     assert len({type(block) for block in model.model.layers}) == 2  # Mamba and attention blocks in one stack
     assert find_block_stack(model) == pipeline_block_stack(model) == "model.layers"
     for pattern in ("strided", "sequential"):
@@ -55,5 +35,5 @@ def test_hybrid_stages_partition_like_the_whole_model():
             stage_shapes = {name: tuple(p.shape) for name, p in stage.named_parameters()}
             block_stack = find_block_stack(stage)
             assert block_stack == "model.layers"
-            staged.update(_fragment_of(partition_fragments(stage_shapes, 2, pattern, block_stack, num_blocks=LAYERS)))
+            staged.update(_fragment_of(partition_fragments(stage_shapes, 2, pattern, block_stack, num_blocks=layers)))
         assert staged == whole, pattern
