@@ -4,17 +4,27 @@ from .config import DiLoCoConfig
 from .core.diloco import DiLoCo
 from .core.topology import Topology
 
-__all__ = ["DiLoCoConfig", "DiLoCo", "Topology", "DiLoCoTrainer", "DiLoCoTrainingArguments", "DiLoCoPlugin"]
+__all__ = [
+    "DiLoCoConfig",
+    "DiLoCo",
+    "Topology",
+    "worker_mesh",
+    "DiLoCoTrainer",
+    "DiLoCoTrainingArguments",
+    "DiLoCoPlugin",
+]
 
 _LAZY = {
     "DiLoCoTrainer": ("integrations.trainer", "DiLoCoTrainer"),
     "DiLoCoTrainingArguments": ("integrations.trainer", "DiLoCoTrainingArguments"),
     "DiLoCoPlugin": ("integrations.accelerate_plugin", "DiLoCoPlugin"),
+    "worker_mesh": ("parallel.fsdp", "worker_mesh"),
 }
 
 
 def __getattr__(name: str):
-    # transformers/accelerate glue is imported on first use so that `hf_diloco.core` stays importable without them.
+    # transformers/accelerate glue (and the model-parallel helpers) are imported on first use, so that `hf_diloco.core`
+    # stays importable without them and importing the package stays quick.
     if name in _LAZY:
         import importlib
 

@@ -7,6 +7,7 @@ directly (its own fragment assignment, its own Nesterov arithmetic); it never ca
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -134,8 +135,14 @@ def reference_run(
     overlap: str = "streaming",
     eager_estimate: str = "own_share",
     tokens: int = VOCAB,
+    lossy: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """Plain-torch simulation of M workers; returns (local params per worker, global params)."""
+    """Plain-torch simulation of M workers; returns (local params per worker, global params).
+
+    `lossy`: an elementwise codec's round trip (e.g. to bf16 and back) with error feedback: every worker sends
+    lossy(Δm + its residual) and keeps what that dropped; the mean of what was sent is sent through `lossy` again.
+    Only for rounds (no tail at the end: a run of whole rounds).
+    """
     models = [tiny_model() for _ in range(workers)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=INNER_LR) for m in models]
     params = [dict(m.named_parameters()) for m in models]
@@ -148,6 +155,7 @@ def reference_run(
     anchor = [{n: glob[n].clone() for n in names} for _ in range(workers)]
 
     eager_buf: list[dict[Unit, torch.Tensor]] = [{} for _ in range(workers)]  # each worker's own outer momentum
+    residual: list[dict[Unit, torch.Tensor]] = [{} for _ in range(workers)]  # with `lossy`: what was not sent yet
     own_weight: dict[int, list[dict[Unit, float]]] = {}  # fitted eager: per worker and unit, the w of the last launch
 
     def fitted_weight(own: torch.Tensor, mean: torch.Tensor) -> float:
@@ -187,6 +195,12 @@ def reference_run(
             base = anchor if overlap == "eager" else [glob] * workers
             sent = [{n: base[w][n] - rows_of(params[w], n).detach() for n in frag_names} for w in range(workers)]
             mean = {n: sum(s[n] for s in sent) / workers for n in frag_names}
+            if lossy is not None:
+                for w in range(workers):
+                    for n in frag_names:
+                        sent[w][n] = sent[w][n] + residual[w].get(n, 0)
+                        residual[w][n] = sent[w][n] - lossy(sent[w][n])
+                mean = {n: lossy(sum(lossy(s[n]) for s in sent) / workers) for n in frag_names}
             if overlap == "streaming":
                 in_flight[p] = (t + sync_delay, mean)
                 if sync_delay == 0:

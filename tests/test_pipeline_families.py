@@ -139,11 +139,6 @@ def _dataset(seed: int = 1234) -> Dataset:
     return Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask.tolist(), "labels": labels.tolist()})
 
 
-# The engine's fragment partition recognises a block stack of one block class only; with mixed classes it splits the
-# parameter list in order, which a stage's part of the list cannot reproduce: hybrids train with one fragment.
-ONE_FRAGMENT = {"jamba"}
-
-
 def _train(family: str, out: str, pipeline_stages: int) -> dict:
     args = DiLoCoTrainingArguments(
         **cpu_trainer_args(
@@ -155,7 +150,7 @@ def _train(family: str, out: str, pipeline_stages: int) -> dict:
             inner_steps=H,
             outer_lr=0.7,
             outer_momentum=0.5,
-            num_fragments=1 if family in ONE_FRAGMENT else 2,
+            num_fragments=2,
             compression="none",
             pipeline_stages=pipeline_stages,
             pipeline_microbatches=2,

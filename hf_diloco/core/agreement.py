@@ -139,12 +139,15 @@ def _disagreeing(everyone: list[list[int]], column: int) -> list[int]:
     return [rank for rank, row in enumerate(everyone) if row[column] != everyone[0][column]]
 
 
-def broadcast_initial_parameters(topology: Topology, params: Mapping[str, nn.Parameter]) -> None:
-    """Start every worker from the same weights: worker 0's, along the outer group, then inside the worker."""
+def broadcast_initial_parameters(
+    topology: Topology, params: Mapping[str, nn.Parameter], sharded_model: bool = False
+) -> None:
+    """Start every worker from the same weights: worker 0's, along the outer group, then inside the worker. A model
+    sharded with FSDP broadcasts each rank's local shards along its outer group only (the same rows in every worker)."""
     steps = (
         (topology.outer_group, topology.outer_peers()[0], topology.outer_peers()),
         (
-            topology.data_parallel_sync_group,
+            None if sharded_model else topology.data_parallel_sync_group,
             None,
             topology.layout.data_parallel_ranks(topology.worker_index, topology.stage_index),
         ),
@@ -157,9 +160,10 @@ def broadcast_initial_parameters(topology: Topology, params: Mapping[str, nn.Par
                 source = topology.layout.rank_at(topology.worker_index, 0, topology.stage_index)
             try:
                 for param in params.values():
-                    buffer = param.detach().to("cpu").contiguous()
+                    local = param.to_local() if sharded_model else param
+                    buffer = local.detach().to("cpu").contiguous()
                     dist.broadcast(buffer, src=source, group=group)
-                    param.copy_(buffer.to(param.device))
+                    local.copy_(buffer.to(local.device))
             except RuntimeError as error:
                 raise OuterSyncError(
                     f"the initial broadcast of rank {source}'s parameters to peers {peers} failed: {error}. A peer "

@@ -3,7 +3,11 @@
 The layout is a mapping of lists with one entry per fragment (θg, θm, eager's a_m, residuals, low-rank warm starts),
 the exchanges in flight by fragment, and the outer optimizers' states merged as one optimizer over all fragments would
 write them (parameter p = fragment p). It is the layout the engine wrote before it kept one outer optimizer per
-fragment, plus `divergence_guard`; states written then still load and continue bitwise (tests/fixtures/).
+fragment, plus `divergence_guard` and `shard`; states written then still load and continue bitwise (tests/fixtures/).
+
+Every rank writes its own state. With D data-parallel ranks per worker, each per-fragment tensor holds that rank's
+owned share (`shard.py`), so a rank's state is about 1/D of the outer state; `shard` records which share, and a state
+is only loaded into the same share (the same data-parallel index, D and kind of sharding).
 """
 
 from __future__ import annotations
@@ -54,7 +58,15 @@ def engine_state(engine: DiLoCo) -> dict:
         "stats": dict(engine.stats),
         "lowrank": [f.compressor.state_dict() for f in fragments] if engine.config.lowrank_rank else None,
         "divergence_guard": engine.guard.state_dict(),
+        "shard": shard_description(engine),
     }
+
+
+def shard_description(engine: DiLoCo) -> dict:
+    """Which share of the outer state this rank holds."""
+    topology = engine.topology
+    kind = "fsdp" if engine.sharded_model else "replicated"
+    return {"index": topology.dp_index, "count": topology.data_parallel_size, "kind": kind}
 
 
 def load_engine_state(engine: DiLoCo, state: dict) -> None:
@@ -93,6 +105,13 @@ def _check_compatible(engine: DiLoCo, state: dict) -> None:
         raise ValueError(
             f"This DiLoCo checkpoint was written with different DiLoCo settings (fingerprint {state['fingerprint']} "
             f"!= {fingerprint}); resume with the settings it was saved with."
+        )
+    saved, mine = state.get("shard"), shard_description(engine)
+    if mine["count"] > 1 and saved != mine:
+        raise ValueError(
+            f"This DiLoCo checkpoint holds the outer-state share {saved} (data-parallel index, ranks per worker, "
+            f"sharding) but this rank holds {mine}: load each rank's own state file, into the same sharding (FSDP or "
+            "replicated) it was written with."
         )
     if len(state["global"]) != len(engine.fragments) or any(
         saved.shape != f.theta_g.shape for saved, f in zip(state["global"], engine.fragments)

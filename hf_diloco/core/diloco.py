@@ -30,11 +30,12 @@ from .agreement import (
 from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig
 from .exchange import OuterExchange
-from .fragment import Fragment, InFlight
+from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, fragments_launched_at, partition_fragments, steps_since_launch
 from .lowrank import LowRankCompressor
 from .overlap import make_overlap
 from .rounds import DivergenceGuard, RoundKeeper
+from .shard import ReplicatedValues, ShardedValues, Worker, is_sharded
 from .stats import EngineStats, Observers, RoundRecord
 from .topology import Topology
 
@@ -83,21 +84,23 @@ class DiLoCo:
         )
         check_topology_matches(self.topology, config)
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+        self.sharded_model = is_sharded(params, self.topology)
         shapes = {name: tuple(p.shape) for name, p in params.items()}
         block_stack = find_block_stack(model)
         pieces = partition_fragments(shapes, config.num_fragments, config.fragment_pattern, block_stack, num_blocks)
         check_workers_agree(
             self.topology,
             config.fingerprint(),
-            describe_pieces(pieces, params),
+            describe_pieces(pieces, params) + (";sharded by FSDP" if self.sharded_model else ""),
             model_settings(model),
             extra_fingerprint,
             config.sync_timeout_seconds,
         )
-        broadcast_initial_parameters(self.topology, params)
+        broadcast_initial_parameters(self.topology, params, self.sharded_model)
         self.inner_step = 0
         self.stats = EngineStats()
         self.exchange = _make_exchange(self.topology, config)
+        self.worker = Worker(self.topology, self._count_intra_worker_bytes)
         self.guard = DivergenceGuard(config.divergence_factor, config.max_skipped_rounds)
         self._observers = Observers()
         self.rounds = RoundKeeper(
@@ -108,12 +111,14 @@ class DiLoCo:
             lambda: self.inner_step,
             self.topology.num_workers,
             per_fragment_stats=config.num_fragments > 1,
+            worker=self.worker,
         )
         self.overlap = make_overlap(config, self.rounds, self.topology.num_workers)
         self.fragments = [self._make_fragment(index, part, params) for index, part in enumerate(pieces)]
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
         self._timer = _StepTimer()
+        self._count_outer_state()
 
     # ----------------------------------------------------------------------------------------------- the loop
 
@@ -124,6 +129,7 @@ class DiLoCo:
         self.overlap.apply_due(self.fragments, self.inner_step)
         for index in fragments_launched_at(self.inner_step, self.config.inner_steps, self.config.num_fragments):
             self._launch(self.fragments[index])
+        self._count_outer_state()
         self._timer.step_ends()
 
     def close(self) -> None:
@@ -144,6 +150,7 @@ class DiLoCo:
             self._sync_tail(self.fragments[index], delta)
         self.overlap.after_close(self.fragments)
         self.exchange.close()
+        self._count_outer_state()
 
     def add_observer(self, observer: Callable[[RoundRecord], None]) -> RemovableHandle:
         """Call `observer(record)` after every round of this engine (see `RoundRecord`); `handle.remove()` stops it.
@@ -161,10 +168,14 @@ class DiLoCo:
         return [list(fragment.pieces) for fragment in self.fragments]
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
-        """fp32 θg by parameter name (views of the flat per-fragment buffers; a copy for a parameter cut by rows)."""
+        """fp32 θg by parameter name, whole (views of the flat per-fragment buffers; a copy for a parameter cut by rows).
+
+        With D > 1 data-parallel ranks per worker each rank holds 1/D of θg, so this gathers it inside the worker (its
+        fast link, never across workers): every rank of the worker must call it at the same point.
+        """
         rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
         for fragment in self.fragments:
-            for piece, values in fragment.unflatten(fragment.theta_g):
+            for piece, values in fragment.unflatten(fragment.whole(fragment.theta_g)):
                 rows.setdefault(piece.name, []).append((piece.start, values))
         return {
             name: parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in sorted(parts, key=lambda p: p[0])])
@@ -173,7 +184,12 @@ class DiLoCo:
 
     @contextlib.contextmanager
     def global_weights(self) -> Iterator[nn.Module]:
-        """Temporarily load θg into the model (to evaluate or save the global model); the local weights come back."""
+        """Temporarily load θg into the model (to evaluate or save the global model); the local weights come back.
+
+        With D > 1 data-parallel ranks per worker, entering and leaving are collectives inside the worker (replicated
+        ranks all-gather their shares of θg): every rank of the worker enters and leaves at the same point. A model
+        sharded with FSDP then holds θg in its shards; gather a full state dict inside the context to save it.
+        """
         saved = [fragment.local() for fragment in self.fragments]
         try:
             for fragment in self.fragments:
@@ -184,7 +200,8 @@ class DiLoCo:
                 fragment.write_local(values)
 
     def metrics(self) -> dict[str, float]:
-        """`diloco/*` scalars for logging; computed from local state only (no collective)."""
+        """`diloco/*` scalars for logging; computed from local state only (no collective): with D > 1 data-parallel
+        ranks per worker, `local_global_drift` is that of this rank's share."""
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
         logs["diloco/local_global_drift"] = self._relative_drift()
         logs["diloco/inner_step"] = float(self.inner_step)
@@ -199,12 +216,18 @@ class DiLoCo:
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`, also one written before the engine was organised by fragment."""
         checkpoint.load_engine_state(self, state)
+        self._count_outer_state()
 
     # ----------------------------------------------------------------------------------------------- internals
 
     def _make_fragment(self, index: int, pieces: list[Piece], params: dict[str, nn.Parameter]) -> Fragment:
         config = self.config
-        fragment = Fragment(index, pieces, params, torch.device(config.global_copy_device), self._outer_optimizer)
+        if self.sharded_model:
+            values = ShardedValues(pieces, params, self.model, self.worker)
+        else:
+            values = ReplicatedValues(pieces, params, self.exchange.granularity(), self.worker)
+        device = torch.device(config.global_copy_device)
+        fragment = Fragment(index, pieces, params, device, self._outer_optimizer, values)
         if config.lowrank_rank:  # the initial Q is seeded by the fragment index, the same on every worker
             fragment.compressor = LowRankCompressor(
                 fragment.shapes,
@@ -230,6 +253,7 @@ class DiLoCo:
             blocking=self.overlap.blocking,
             compressor=fragment.compressor,
             context=self._launch_context(fragment),
+            layout=fragment.values.layout,
         )
         self.overlap.launched(fragment, InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta))
 
@@ -240,6 +264,7 @@ class DiLoCo:
             blocking=True,
             compressor=fragment.compressor,
             context=self._launch_context(fragment),
+            layout=fragment.values.layout,
         )
         record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta))
         fragment.write_local(fragment.theta_g)
@@ -260,6 +285,13 @@ class DiLoCo:
 
     def _steps_since_launch(self, fragment: Fragment) -> int:
         return steps_since_launch(fragment.index, self.inner_step, self.config.inner_steps, self.config.num_fragments)
+
+    def _count_intra_worker_bytes(self, sent: int) -> None:
+        self.stats.bytes_sent_intra_worker += sent
+
+    def _count_outer_state(self) -> None:
+        results = 2 if self.config.error_feedback or self.config.lowrank_rank else 1  # the average (and a residual)
+        self.stats.outer_state_bytes = outer_state_bytes(self.fragments, results)
 
     def _relative_drift(self) -> float:
         squared_diff, squared_norm = 0.0, 0.0

@@ -49,6 +49,7 @@ from .adaptive import CompressionPolicy, Observation
 from .codecs import COMPRESSIONS, Codec
 from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
+from .shard import ShardLayout
 from .topology import Topology
 
 # What crosses workers, and in which collectives. Workers check at start that they agree on it; bump it whenever an
@@ -203,13 +204,16 @@ class OuterExchange:
         blocking: bool = False,
         compressor: LowRankCompressor | None = None,
         context: dict | None = None,
+        layout: ShardLayout | None = None,
     ) -> PendingExchange:
         """Start averaging `vector`; with `compressor`, average its low-rank approximation instead.
 
         `context` tells an adaptive policy about the launch: `step`, `fragment`, `step_seconds`, `overlap_steps`.
+        `layout`: `vector` is this rank's owned share of a fragment (`shard.py`), and so is the average returned. Without
+        it, `vector` is the same on every data-parallel rank of the worker, which split its averaging between them.
         """
         vector = vector.detach().to(torch.float32).contiguous()
-        job = _ExchangeJob(self, vector, compressor, context or {})
+        job = _ExchangeJob(self, vector, compressor, context or {}, layout)
         if blocking and self.inline_when_blocking:
             return PendingExchange.run_inline(job, description, self.timeout_seconds)
         if self._worker is None:
@@ -230,16 +234,17 @@ class OuterExchange:
             self._coding_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="diloco-deflate")
         return self._coding_pool
 
-    def wire_bytes(self, numel: int, codec: Codec | None = None) -> int:
-        """Cross-worker bytes one rank sends to average a vector of `numel` elements (the formula `_ExchangeJob` counts).
+    def wire_bytes(self, numel: int, codec: Codec | None = None, shards: int | None = None) -> int:
+        """Cross-worker bytes one rank sends to average a vector of `numel` elements split between `shards` ranks of
+        the worker (by default all of its data-parallel ranks; 1 for a rank's own share): the formula `_ExchangeJob`
+        counts.
 
         With `entropy_coding` this is the most it sends: every payload raw, plus the lengths. An adaptive policy plans
         with it times `coded_share[codec]`, the share deflate left of the last exchange with that codec.
         """
         codec = codec or self.codec
-        chunk_numel = _padded_length(numel, self._granularity(codec)) // (
-            self.topology.data_parallel_size * self._workers()
-        )
+        shards = self.topology.data_parallel_size if shards is None else shards
+        chunk_numel = _padded_length(numel, self.granularity(codec, shards)) // (shards * self._workers())
         lengths = _LENGTH_BYTES if self.entropy_coding else 0
         if self.pattern == "all_gather":
             return (self._workers() - 1) * (codec.encoded_nbytes(chunk_numel * self._workers()) + lengths)
@@ -255,8 +260,11 @@ class OuterExchange:
     def _workers(self) -> int:
         return self.topology.num_workers
 
-    def _granularity(self, codec: Codec | None = None) -> int:
-        return self.topology.data_parallel_size * self._workers() * (codec or self.codec).align
+    def granularity(self, codec: Codec | None = None, shards: int | None = None) -> int:
+        """What a vector split between `shards` ranks of the worker (all of them by default) is padded to a multiple
+        of: every rank's chunk for each worker is a whole number of codec blocks."""
+        shards = self.topology.data_parallel_size if shards is None else shards
+        return shards * self._workers() * (codec or self.codec).align
 
 
 class _ExchangeJob:
@@ -266,11 +274,15 @@ class _ExchangeJob:
         vector: torch.Tensor,
         compressor: LowRankCompressor | None = None,
         context: dict | None = None,
+        layout: ShardLayout | None = None,
     ):
         self.exchange = exchange
         self.vector = vector
         self.compressor = compressor
         self.context = context or {}
+        self.layout = layout
+        # With a layout and D > 1, the vector is this rank's share; the low-rank path first gathers the whole of it.
+        self.owned = layout is not None and exchange.topology.data_parallel_size > 1
         self.sent = self.intra = 0
         self.link_seconds = 0.0
         self.averaged_bound = self.averaged_sent = 0  # cross-worker averaging: `wire_bytes` and what was sent
@@ -281,9 +293,12 @@ class _ExchangeJob:
         if ex.delay_seconds is not None:
             time.sleep(ex.delay_seconds())
         self.link_seconds = time.perf_counter() - started
+        if self.compressor is not None and self.owned:
+            # PowerSGD multiplies whole matrices: the fragment's pseudo-gradient is gathered inside the worker.
+            self.vector, self.owned = self._gather_shares(self.vector), False
         clipped = self._clip_outlier() if ex.clip_factor > 0 else False
         if self.compressor is None:
-            average, residual = self._average(self.vector, ex.codec)
+            average, residual = self._average(self.vector, ex.codec, split=not self.owned)
             return ExchangeResult(average, residual, self.sent, self.intra, clipped)
         choice = self._decide() if ex.policy is not None else None
         codec = ex.codec_named(choice["compression"]) if choice else ex.codec
@@ -292,7 +307,7 @@ class _ExchangeJob:
         keep_dropped = ex.topology.data_parallel_size == 1
 
         def average(vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            averaged, dropped = self._average(vector, codec)
+            averaged, dropped = self._average(vector, codec, split=True)
             return averaged, dropped if keep_dropped else None
 
         result = self.compressor.run(self.vector, average, rank=choice["rank"] if choice else None)
@@ -301,14 +316,29 @@ class _ExchangeJob:
             ex.coded_share[codec.name] = self.averaged_sent / self.averaged_bound
         if self.sent > 0 and self.link_seconds > 0:
             ex.link_bytes_per_second = self.sent / self.link_seconds
-        return ExchangeResult(result.average, result.residual, self.sent, self.intra, clipped, choice=choice)
+        average_of_all, residual = result.average, result.residual
+        if self.layout is not None and ex.topology.data_parallel_size > 1:
+            average_of_all = self.layout.take(average_of_all, ex.topology.dp_index)
+            residual = None if residual is None else self.layout.take(residual, ex.topology.dp_index)
+        return ExchangeResult(average_of_all, residual, self.sent, self.intra, clipped, choice=choice)
+
+    def _gather_shares(self, share: torch.Tensor) -> torch.Tensor:
+        """The fragment's whole vector from every data-parallel rank's share (over the worker's fast link)."""
+        topo, layout = self.exchange.topology, self.layout
+        lengths = [layout.length(rank) for rank in range(topo.data_parallel_size)]
+        padded = torch.zeros(max(lengths), dtype=share.dtype)
+        padded[: share.numel()] = share
+        parts = [torch.empty_like(padded) for _ in lengths]
+        dist.all_gather(parts, padded, group=topo.data_parallel_sync_group)
+        self.intra += (len(lengths) - 1) * padded.nbytes
+        return layout.assemble(parts)
 
     def _clip_outlier(self) -> bool:
         """Robust aggregation: scale this contribution down to clip_factor x the lower median of all workers' norms."""
         topo = self.exchange.topology
         if topo.num_workers == 1 or topo.outer_group is None:
             return False
-        norm = self.vector.norm().reshape(1)
+        norm = self._norm().reshape(1)
         norms = [torch.zeros_like(norm) for _ in range(topo.num_workers)]
         dist.all_gather(norms, norm, group=topo.outer_group)
         self.sent += (topo.num_workers - 1) * norm.nbytes
@@ -321,28 +351,40 @@ class _ExchangeJob:
         self.vector = self.vector * (bound / float(norm))
         return True
 
-    def _average(self, vector: torch.Tensor, codec: Codec) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Average one flat vector (see the module docstring); adds its bytes to `sent` / `intra`."""
+    def _norm(self) -> torch.Tensor:
+        """The norm of this worker's whole contribution (its data-parallel ranks' shares combined, in rank order)."""
+        topo = self.exchange.topology
+        if not self.owned or topo.data_parallel_sync_group is None:
+            return self.vector.norm()
+        squared = self.vector.double().pow(2).sum().reshape(1)
+        parts = [torch.zeros_like(squared) for _ in range(topo.data_parallel_size)]
+        dist.all_gather(parts, squared, group=topo.data_parallel_sync_group)
+        self.intra += (topo.data_parallel_size - 1) * squared.nbytes
+        return sum(parts).sqrt().float()
+
+    def _average(self, vector: torch.Tensor, codec: Codec, split: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Average one flat vector (see the module docstring); adds its bytes to `sent` / `intra`. With `split` the
+        vector is the same on every data-parallel rank: each averages 1/D of it and they all-gather the results."""
         ex, topo = self.exchange, self.exchange.topology
         numel = vector.numel()
-        padded = torch.zeros(_padded_length(numel, ex._granularity(codec)), dtype=torch.float32)
+        shards, index = (topo.data_parallel_size, topo.dp_index) if split else (1, 0)
+        padded = torch.zeros(_padded_length(numel, ex.granularity(codec, shards)), dtype=torch.float32)
         padded[:numel] = vector
-        shards = padded.chunk(topo.data_parallel_size)
-        my_shard = shards[topo.dp_index]
+        my_shard = padded.chunk(shards)[index]
         if topo.num_workers == 1 or topo.outer_group is None:
             averaged_shard, residual, sent = my_shard.clone(), None, 0
         else:
             started = time.perf_counter()
             averaged_shard, residual, sent = self._average_across_workers(my_shard, codec)
             self.link_seconds += time.perf_counter() - started
-            self.averaged_bound += ex.wire_bytes(numel, codec)
+            self.averaged_bound += ex.wire_bytes(numel, codec, shards)
             self.averaged_sent += sent
-        full, intra = self._gather_inside_worker(averaged_shard)
+        full, intra = self._gather_inside_worker(averaged_shard) if split else (averaged_shard, 0)
         self.sent, self.intra = self.sent + sent, self.intra + intra
         if residual is not None:
             # Only this rank encodes its shard, so only that part of the residual ever matters here.
             padded_residual = torch.zeros_like(padded)
-            padded_residual.chunk(topo.data_parallel_size)[topo.dp_index].copy_(residual)
+            padded_residual.chunk(shards)[index].copy_(residual)
             residual = padded_residual[:numel]
         return full[:numel], residual
 

@@ -1,8 +1,10 @@
 """One fragment's state: its pieces of the model, its slice of θg and outer optimizer, its error-feedback residual,
 its low-rank compressor, its exchange in flight and (eager) its own trajectory.
 
-A fragment's values travel as one flat fp32 vector: its pieces (`fragments.Piece`, a parameter's rows) concatenated
-in order. Every per-fragment tensor below (θg, the residual, a pseudo-gradient, an average) has that layout.
+A fragment's values form one flat fp32 vector: its pieces (`fragments.Piece`, a parameter's rows) concatenated in
+order. With D data-parallel ranks per worker each rank owns runs of it (`shard.py`; all of it when D = 1), and every
+per-fragment tensor below (θg, the residual, a pseudo-gradient, an average, eager's trajectory) holds this rank's
+owned values only, its runs concatenated in order.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .exchange import PendingExchange
 from .fragments import Piece
 from .lowrank import LowRankCompressor
+from .shard import Values, Worker
 
 OptimizerFactory = Callable[[torch.Tensor], torch.optim.Optimizer]
 
@@ -56,7 +60,7 @@ class Trajectory:
 
 
 class Fragment:
-    """Fragment `index` of the model: the pieces it syncs and everything its outer rounds keep.
+    """Fragment `index` of the model: the pieces it syncs and everything its outer rounds keep, for this rank's share.
 
     Args:
         index: p, the fragment's position in the schedule.
@@ -64,14 +68,16 @@ class Fragment:
         params: the model's trainable parameters by name.
         device: where θg, its outer optimizer state and the trajectory live (`global_copy_device`).
         make_optimizer: builds an outer optimizer over one tensor.
+        values: reads and writes this rank's owned values of the model (`shard.py`).
         compressor: its PowerSGD compressor when `lowrank_rank` > 0.
 
     Attributes:
-        theta_g: θg of the fragment (fp32, identical on every worker).
+        theta_g: θg of the fragment over this rank's runs (fp32, identical on every worker).
         outer_optimizer: OuterOpt over `theta_g` alone.
         residual: error feedback: what the last exchange did not send, added to the next pseudo-gradient.
         flight: the exchange in flight, if any.
         trajectory: `overlap="eager"` only, this worker's a_m.
+        sizes: values per piece of the whole fragment; `owned_sizes`: of them, how many this rank owns.
     """
 
     def __init__(
@@ -81,14 +87,17 @@ class Fragment:
         params: dict[str, nn.Parameter],
         device: torch.device,
         make_optimizer: OptimizerFactory,
+        values: Values,
         compressor: LowRankCompressor | None = None,
     ):
         self.index = index
         self.pieces = list(pieces)
         self._params = params
         self.device = device
+        self.values = values
         self.shapes = [piece.shape(params[piece.name].shape) for piece in self.pieces]
         self.sizes = tuple(math.prod(shape) for shape in self.shapes)
+        self.owned_sizes = values.owned_sizes()
         self.theta_g = self.local().to(device)
         self.outer_optimizer = make_optimizer(self.theta_g)
         self.residual: torch.Tensor | None = None
@@ -101,24 +110,24 @@ class Fragment:
         return list(dict.fromkeys(piece.name for piece in self.pieces))
 
     def local(self) -> torch.Tensor:
-        """θm: this worker's current values of the fragment, as a fresh flat fp32 CPU vector."""
-        if not self.pieces:
-            return torch.zeros(0, dtype=torch.float32, device=self.device)
-        return torch.cat([self._rows(piece).detach().reshape(-1).to("cpu", torch.float32) for piece in self.pieces])
+        """θm: this worker's current values of the fragment over this rank's runs, as a fresh flat fp32 CPU vector."""
+        return self.values.read()
 
     def write_local(self, values: torch.Tensor) -> None:
-        """θm <- values."""
-        with torch.no_grad():
-            for piece, chunk in self.unflatten(values):
-                local = self._rows(piece)
-                local.copy_(chunk.to(local.device, local.dtype))
+        """θm <- values over this rank's runs; the worker's other ranks write theirs at the same point, and every rank
+        of the worker then holds the whole update (a collective among them when D > 1)."""
+        self.values.write(values)
 
     def merge_local(self, alpha: float) -> None:
         """θm <- α·θm + (1 - α)·θg."""
         self.write_local(alpha * self.local().to(self.device) + (1 - alpha) * self.theta_g)
 
+    def whole(self, owned: torch.Tensor) -> torch.Tensor:
+        """The fragment's whole flat vector of an owned one (θg, say), gathered inside the worker when D > 1."""
+        return self.values.gather(owned)
+
     def unflatten(self, flat: torch.Tensor) -> list[tuple[Piece, torch.Tensor]]:
-        """(piece, view of `flat` in the piece's shape) for every piece."""
+        """(piece, view of the whole flat vector `flat` in the piece's shape) for every piece."""
         views = flat.split(self.sizes) if self.pieces else ()
         return [(piece, view.view(shape)) for piece, view, shape in zip(self.pieces, views, self.shapes)]
 
@@ -138,22 +147,61 @@ class Fragment:
         """θg <- OuterOpt(θg, average)."""
         optimizer_step(self.outer_optimizer, self.theta_g, average)
 
-    def reset_nonfinite_inner_state(self, inner_optimizer: torch.optim.Optimizer | None) -> int:
-        """Drop the inner optimizer state of this fragment's parameters that holds NaN/inf; returns how many."""
+    def reset_nonfinite_inner_state(self, inner_optimizer: torch.optim.Optimizer | None, worker: Worker) -> int:
+        """Drop the inner optimizer state of this fragment's parameters that holds NaN/inf on any rank of the worker
+        (its shards, with FSDP); returns how many."""
         if inner_optimizer is None:
             return 0
-        resets = 0
-        for name in self.names():
-            state = inner_optimizer.state.get(self._params[name])
-            if state and any(torch.is_tensor(v) and not bool(torch.isfinite(v).all()) for v in state.values()):
+        names = self.names()
+        poisoned = worker.max([float(_nonfinite(inner_optimizer.state.get(self._params[name]))) for name in names])
+        for name, flag in zip(names, poisoned):
+            if flag:
                 inner_optimizer.state[self._params[name]] = {}
-                resets += 1
-        return resets
+        return sum(1 for flag in poisoned if flag)
 
-    def _rows(self, piece: Piece) -> torch.Tensor:
-        """The parameter's rows the piece covers (a view, so writes reach the parameter)."""
-        param = self._params[piece.name]
-        return param if param.dim() == 0 else param[piece.start : piece.stop]
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the fragment keeps beyond the model and the inner optimizer (an exchange in flight: what it
+        sent; its result is `outer_state_bytes`'s to count)."""
+        held = [self.theta_g, *_state_tensors(self.outer_optimizer)]
+        if self.residual is not None:
+            held.append(self.residual)
+        if self.trajectory is not None:
+            held += [self.trajectory.values, *_state_tensors(self.trajectory.optimizer)]
+        if self.compressor is not None:
+            held += self.compressor.q
+        if self.flight is not None and self.flight.sent is not None:
+            held.append(self.flight.sent)
+        return held
+
+
+def outer_state_bytes(fragments: Sequence[Fragment], results_per_exchange: int) -> int:
+    """Bytes of what the fragments keep beyond the model and the inner optimizer (each storage counted once): θg, the
+    outer optimizer state, eager's trajectory and its optimizer state, the error-feedback residual, the low-rank warm
+    start and the exchanges in flight: what each sent and the `results_per_exchange` fp32 vectors of its share
+    (average, residual) it returns, counted from its launch so that the figure does not depend on when it completes."""
+    storages: dict[int, int] = {}
+    results = 0
+    for fragment in fragments:
+        for tensor in fragment.held_tensors():
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        if fragment.flight is not None:
+            results += results_per_exchange * sum(fragment.owned_sizes) * 4
+    return sum(storages.values()) + results
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+
+
+def _nonfinite(state: dict | None) -> bool:
+    return bool(state) and any(
+        torch.is_tensor(v) and not bool(torch.isfinite(_local(v)).all()) for v in state.values()
+    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradient: torch.Tensor) -> None:

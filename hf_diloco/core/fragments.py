@@ -39,21 +39,52 @@ def num_rows(shape: Sequence[int]) -> int:
     return shape[0] if len(shape) else 1
 
 
+def config_value(model: nn.Module, name: str):
+    """`model.config.<name>` of a Hugging Face model, or of its text config (multimodal models); None without one."""
+    config = getattr(model, "config", None)
+    value = getattr(config, name, None)
+    if value is None and hasattr(config, "get_text_config"):
+        value = getattr(config.get_text_config(), name, None)
+    return value
+
+
+def layer_stacks(model: nn.Module, num_layers: int) -> list[str]:
+    """Paths of the `nn.ModuleList`s of `num_layers` modules (whose classes may differ, as in hybrid models), the most
+    parameters first."""
+    sizes = {
+        path: _numel(module)
+        for path, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers
+    }
+    return sorted(sizes, key=lambda path: -sizes[path])
+
+
 def find_block_stack(model: nn.Module) -> str | None:
-    """Qualified name of the largest container of identical blocks (e.g. `model.layers`, `transformer.h`)."""
+    """Qualified name of the block stack (e.g. `model.layers`, `transformer.h`): the container with the most
+    parameters among
+
+    - the `nn.ModuleList`s of `config.num_hidden_layers` blocks, of any classes (hybrid models such as Jamba mix
+      attention and Mamba blocks in one stack);
+    - the `nn.ModuleDict`s keyed by block index, of any classes (a pipeline stage holds its part of the stack so);
+    - the `nn.ModuleList`s of blocks of one class (a model without a Hugging Face config).
+
+    A pipeline stage and the whole model thus find the same stack, so their fragments agree. None without one.
+    """
+    num_layers = config_value(model, "num_hidden_layers")
+    candidates = set(layer_stacks(model, num_layers)) if isinstance(num_layers, int) and num_layers > 0 else set()
     best_name, best_size = None, 0
     for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
-            continue
-        children = list(module.children())
-        if len({type(child) for child in children}) != 1 or not all(
-            key.isdigit() for key, _ in module.named_children()
-        ):
-            continue
-        size = sum(p.numel() for p in module.parameters())
-        if size > best_size:
-            best_name, best_size = name, size
+        if isinstance(module, nn.ModuleDict) and len(module) and all(key.isdigit() for key in module.keys()):
+            candidates.add(name)
+        elif isinstance(module, nn.ModuleList) and len(module) and len({type(child) for child in module}) == 1:
+            candidates.add(name)
+        if name in candidates and _numel(module) > best_size:
+            best_name, best_size = name, _numel(module)
     return best_name
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def block_index(param_name: str, block_prefix: str) -> int | None:

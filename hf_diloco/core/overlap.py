@@ -221,7 +221,7 @@ class Eager(_AppliedOneRoundLater):
     ) -> torch.Tensor:
         average = None if record is None else record.average
         estimate, flight.weights = self._estimate(fragment, flight.sent, previous, average)
-        finite = bool(torch.isfinite(estimate).all())
+        finite = self.rounds.worker.all(bool(torch.isfinite(estimate).all()))
         if average is None or not finite:
             fragment.trajectory.restart_from(fragment)
         if finite:
@@ -237,18 +237,23 @@ class Eager(_AppliedOneRoundLater):
             return delta / self.workers, None
         if not self._fitted:
             return average + (delta - previous.sent) / self.workers, None
-        sizes = fragment.sizes
+        sizes = fragment.owned_sizes
         own_pieces = previous.sent.split(sizes)
-        weights = [
-            fitted_estimate_weight(own, mean, self.workers) for own, mean in zip(own_pieces, average.split(sizes))
+        products = [
+            [float(torch.dot(own, mean)), float(torch.dot(own, own))]
+            for own, mean in zip(own_pieces, average.split(sizes))
         ]
+        # Each data-parallel rank holds part of a piece: the dot products are summed over the worker.
+        summed = self.rounds.worker.sum([value for pair in products for value in pair])
+        weights = [fitted_weight(fit, energy, self.workers) for fit, energy in zip(summed[::2], summed[1::2])]
         applied = previous.weights or [1.0 / self.workers] * len(weights)
         estimate = average.clone()
         for out, sent, fresh, before, now in zip(
             estimate.split(sizes), own_pieces, delta.split(sizes), applied, weights
         ):
             out.add_(sent, alpha=-before).add_(fresh, alpha=now)
-        self.rounds.stats.eager_estimate_weight = sum(w * n for w, n in zip(weights, sizes)) / max(1, sum(sizes))
+        whole = fragment.sizes
+        self.rounds.stats.eager_estimate_weight = sum(w * n for w, n in zip(weights, whole)) / max(1, sum(whole))
         return estimate, weights
 
 
@@ -266,8 +271,12 @@ def in_flight_order(fragments: Sequence[Fragment]) -> list[Fragment]:
 def fitted_estimate_weight(own: torch.Tensor, average: torch.Tensor, workers: int) -> float:
     """The w in [1/M, 1] minimising ||average - w·own||: how much of a round's average this worker's own
     pseudo-gradient explains (about (1 + (M - 1)·c) / M when the workers' pseudo-gradients have cosine c)."""
-    energy = float(torch.dot(own, own))
-    fit = float(torch.dot(own, average)) / energy if energy > 0 else 0.0
+    return fitted_weight(float(torch.dot(own, average)), float(torch.dot(own, own)), workers)
+
+
+def fitted_weight(product: float, energy: float, workers: int) -> float:
+    """`fitted_estimate_weight` from <own, average> and <own, own>."""
+    fit = product / energy if energy > 0 else 0.0
     return min(1.0, max(1.0 / workers, fit)) if math.isfinite(fit) else 1.0 / workers
 
 

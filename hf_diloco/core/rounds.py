@@ -3,7 +3,8 @@ take the outer step, and tell the observers.
 
 Every worker decodes the same bytes, so every worker holds the same average and takes the same decision: a rejected
 round leaves θg and the outer optimizer as they were on every worker alike (invariant 1 of docs/design.md holds
-through rejections).
+through rejections). With D data-parallel ranks per worker each rank holds 1/D of the average; the ranks combine
+whether theirs is finite and its largest absolute value (a maximum: exact in any order), so they decide alike too.
 
 - A non-finite average (some worker produced NaN/inf) is rejected; this worker also drops the inner optimizer state
   of the fragment's parameters that is itself non-finite (Adam moments poisoned by the NaN would keep producing it).
@@ -27,6 +28,7 @@ import torch
 from .codecs import CODEC_BITS
 from .exchange import ExchangeResult
 from .fragment import Fragment, InFlight
+from .shard import Worker
 from .stats import EngineStats, Observers, RoundRecord
 
 logger = logging.getLogger(__name__)
@@ -62,14 +64,15 @@ class DivergenceGuard:
     skipped_in_a_row: dict[int, int] = field(default_factory=dict)
     last_rejection: dict[int, tuple[int, str]] = field(default_factory=dict, compare=False)
 
-    def judge(self, fragment: int, average: torch.Tensor) -> tuple[str | None, str]:
-        """(`None`, "") to apply the average, else (`"nonfinite"` or `"divergent"`, why)."""
-        if not bool(torch.isfinite(average).all()):
+    def judge(self, fragment: int, finite: bool, scale: float) -> tuple[str | None, str]:
+        """(`None`, "") to apply an average (`finite`, largest absolute value `scale`), else (`"nonfinite"` or
+        `"divergent"`, why)."""
+        if not finite:
             return "nonfinite", "its average is not finite (a worker produced NaN/inf)"
         recent = self.scales.get(fragment)
         if not self.factor or not recent:
             return None, ""
-        scale, typical = _scale(average), statistics.median(recent)
+        typical = statistics.median(recent)
         if scale > self.factor * typical:
             return "divergent", (
                 f"its average's largest value {scale:.3g} is {scale / typical:.3g} x the median {typical:.3g} of its "
@@ -77,9 +80,8 @@ class DivergenceGuard:
             )
         return None, ""
 
-    def applied(self, fragment: int, average: torch.Tensor) -> None:
+    def applied(self, fragment: int, scale: float) -> None:
         self.skipped_in_a_row[fragment] = 0
-        scale = _scale(average)
         if scale > 0:
             self.scales[fragment] = [*self.scales.get(fragment, []), scale][-self.HISTORY :]
 
@@ -123,10 +125,6 @@ class DivergenceGuard:
         self.last_rejection = {int(k): (int(v[0]), str(v[1])) for k, v in state.get("last_rejection", {}).items()}
 
 
-def _scale(average: torch.Tensor) -> float:
-    return float(average.abs().max()) if average.numel() else 0.0
-
-
 class RoundKeeper:
     """Completes the rounds of every fragment of one engine (see the module docstring).
 
@@ -138,6 +136,7 @@ class RoundKeeper:
         clock: the engine's current inner step.
         workers: M.
         per_fragment_stats: keep `fragment{p}_*` counters (more than one fragment).
+        worker: the data-parallel ranks of this worker, which decide every round together.
     """
 
     def __init__(
@@ -149,6 +148,7 @@ class RoundKeeper:
         clock: Callable[[], int],
         workers: int,
         per_fragment_stats: bool,
+        worker: Worker,
     ):
         self.stats = stats
         self.guard = guard
@@ -157,6 +157,7 @@ class RoundKeeper:
         self.clock = clock
         self.workers = workers
         self.per_fragment_stats = per_fragment_stats
+        self.worker = worker
 
     def apply(self, fragment: Fragment, flight: InFlight) -> RoundRecord:
         """Wait for the round's exchange and take the outer step on θg unless the average is rejected."""
@@ -200,10 +201,11 @@ class RoundKeeper:
             self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]
         self.stats.clipped_contributions += int(result.clipped)
         average = result.average.to(fragment.device)
-        rejected, why = self.guard.judge(fragment.index, average)
+        finite, scale = self._verdict(average)
+        rejected, why = self.guard.judge(fragment.index, finite, scale)
         if rejected is None:
             if not final:
-                self.guard.applied(fragment.index, average)
+                self.guard.applied(fragment.index, scale)
         else:
             self._reject(fragment, rejected, why)
             average = None
@@ -215,15 +217,22 @@ class RoundKeeper:
             rejected=rejected,
             bytes_sent=result.bytes_sent,
             final=final,
-            piece_sizes=fragment.sizes,
+            piece_sizes=fragment.owned_sizes,
             workers=self.workers,
         )
+
+    def _verdict(self, average: torch.Tensor) -> tuple[bool, float]:
+        """Whether the whole average is finite, and its largest absolute value, over the worker's ranks."""
+        finite = bool(torch.isfinite(average).all())
+        scale = float(average.abs().max()) if finite and average.numel() else 0.0
+        nonfinite, scale = self.worker.max([0.0 if finite else 1.0, scale])
+        return nonfinite == 0.0, scale
 
     def _reject(self, fragment: Fragment, reason: str, why: str) -> None:
         fragment.residual = None
         if reason == "nonfinite":
             self.stats.skipped_nonfinite += 1
-            self.stats.inner_state_resets += fragment.reset_nonfinite_inner_state(self.inner_optimizer)
+            self.stats.inner_state_resets += fragment.reset_nonfinite_inner_state(self.inner_optimizer, self.worker)
         else:
             self.stats.skipped_divergent += 1
         self.guard.rejected(fragment.index, self.clock(), why)

@@ -34,7 +34,11 @@ class EngineStats(Mapping):
         final_sync_bytes: cross-worker bytes of those tail syncs (included in `bytes_sent`).
         max_sync_bytes: the largest single exchange, in cross-worker bytes.
         bytes_sent: every byte this rank handed to the network across workers for the outer sync.
-        bytes_sent_intra_worker: bytes of the all-gather inside the worker (data-parallel ranks).
+        bytes_sent_intra_worker: bytes of the collectives inside the worker (data-parallel ranks): all-gathers of
+            updated parameters and of low-rank pseudo-gradients, and the small agreements on each round.
+        outer_state_bytes: bytes of everything the engine holds on this rank beyond the model and the inner optimizer
+            (θg, outer optimizer state, eager's trajectory and its state, residuals, low-rank warm starts, buffers of
+            exchanges in flight), after the last `step()`; with D data-parallel ranks per worker about 1/D of D = 1's.
         sync_wait_seconds: time the training loop waited for exchanges.
         skipped_nonfinite: rounds skipped on every worker because their average was not finite.
         skipped_divergent: rounds skipped on every worker by the divergence guard.
@@ -49,6 +53,7 @@ class EngineStats(Mapping):
     max_sync_bytes: int = 0
     bytes_sent: int = 0
     bytes_sent_intra_worker: int = 0
+    outer_state_bytes: int = 0
     sync_wait_seconds: float = 0.0
     skipped_nonfinite: int = 0
     skipped_divergent: int = 0
@@ -126,8 +131,9 @@ class RoundRecord:
         estimate: `overlap="eager"` only: the update Δ~ this worker applied to its own trajectory right after this
             round completed (at the launch of the fragment's next round: this round's average, minus the estimate of
             it applied a round earlier, plus the estimate of the round just launched); None otherwise.
-        piece_sizes: values per piece of the fragment, to split `sent` / `average` by parameter
-            (`DiLoCo.fragment_pieces()` names the pieces).
+        piece_sizes: values per piece of the fragment that `sent` / `average` hold, to split them by parameter
+            (`DiLoCo.fragment_pieces()` names the pieces); with D > 1 data-parallel ranks per worker a record holds this
+            rank's share of the fragment, its part of each piece (possibly none).
         workers: M, the number of workers.
     """
 

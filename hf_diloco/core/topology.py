@@ -1,10 +1,10 @@
 """Rank grid -> process groups.
 
 A *worker* is `pipeline_stages x data_parallel` contiguous ranks on a fast interconnect that together hold one
-replica of the model. Inside a worker, rank `w * worker_size + dp * stages + stage` is data-parallel replica `dp`
+replica of the model. Inside a worker, rank `w * worker_size + dp * stages + stage` is data-parallel rank `dp`
 of pipeline stage `stage`. The outer (cross-worker) group of a rank joins the ranks with the same stage and the
-same data-parallel index in every worker: with D replicas per worker, each of them exchanges 1/D of the
-pseudo-gradient over its own outer group and the worker all-gathers the averaged shards over the fast link.
+same data-parallel index in every worker: with D data-parallel ranks per worker, each of them owns 1/D of the outer
+state and exchanges that share over its own outer group (`shard.py`).
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ class Topology:
     Groups (each `None` when the rank is alone in it, so callers can skip the collective):
         worker_group: every rank of this worker.
         data_parallel_group: same worker, same stage; DDP's gradient all-reduce runs here.
-        data_parallel_sync_group: the same ranks as `data_parallel_group` in a second process group, used by the
-            outer sync's all-gather from its background thread so it never interleaves with DDP's collectives.
+        data_parallel_sync_group: the same ranks as `data_parallel_group` in a second process group (gloo), used by
+            the outer sync's background thread so it never interleaves with DDP's collectives.
+        shard_group: the same ranks in a third gloo group, used by the engine on the training thread: each rank owns
+            1/D of the outer state, and the worker all-gathers updated parameters and agrees on a round's verdict here.
         pipeline_group: same worker, same data-parallel index: the stages of one pipeline.
         outer_group: same stage and data-parallel index across workers; the only group that crosses workers.
         control_group: every rank, on gloo: the engine's start-up check, whose `monitored_barrier` names the ranks
@@ -90,6 +92,7 @@ class Topology:
         self.worker_group = groups.get("worker")
         self.data_parallel_group = groups.get("data_parallel")
         self.data_parallel_sync_group = groups.get("data_parallel_sync")
+        self.shard_group = groups.get("shard")
         self.pipeline_group = groups.get("pipeline")
         self.outer_group = groups.get("outer")
         self.world_group = groups.get("world")
@@ -100,7 +103,7 @@ class Topology:
 
     def release_groups(self) -> None:
         """Drop this topology's references to its process groups (they must not outlive the interpreter's teardown)."""
-        self.worker_group = self.data_parallel_group = self.data_parallel_sync_group = None
+        self.worker_group = self.data_parallel_group = self.data_parallel_sync_group = self.shard_group = None
         self.pipeline_group = self.outer_group = self.world_group = self.control_group = None
 
     @property
@@ -168,7 +171,7 @@ class Topology:
                 layout.outer_ranks(d, s) for d in range(layout.data_parallel) for s in range(layout.pipeline_stages)
             ],
         }
-        candidates["data_parallel_sync"] = candidates["data_parallel"]
+        candidates["data_parallel_sync"] = candidates["shard"] = candidates["data_parallel"]
         candidates["control"] = [list(range(layout.world_size))]
         groups: dict[str, dist.ProcessGroup | None] = {"world": dist.group.WORLD}
         for name, rank_lists in candidates.items():
@@ -183,9 +186,10 @@ class Topology:
 
 
 def _backend_for(group_name: str) -> str:
-    # The outer sync moves CPU buffers (the global copy lives off the accelerator) from a background thread, so its
-    # groups are gloo whatever the training backend is; so is the control group (monitored_barrier needs gloo).
-    return "gloo" if group_name in ("outer", "data_parallel_sync", "control") else dist.get_backend()
+    # The outer sync moves CPU buffers (the global copy lives off the accelerator), from a background thread and on the
+    # training thread, so its groups are gloo whatever the training backend is; so is the control group
+    # (monitored_barrier needs gloo).
+    return "gloo" if group_name in ("outer", "data_parallel_sync", "shard", "control") else dist.get_backend()
 
 
 _teardown_registered = False

@@ -71,6 +71,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils._pytree import tree_map_only
 
+from ..core.fragments import config_value, layer_stacks
+
 IGNORE_INDEX = -100
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 BEFORE, BETWEEN, AFTER = "before the blocks", "between blocks", "after the blocks"
@@ -156,31 +158,19 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
 # ------------------------------------------------------------------------------------------------ finding the parts
 
 
-def _config_value(model: nn.Module, name: str):
-    config = getattr(model, "config", None)
-    value = getattr(config, name, None)
-    if value is None and hasattr(config, "get_text_config"):
-        value = getattr(config.get_text_config(), name, None)
-    return value
-
-
 def _block_stack_candidates(model: nn.Module) -> list[str]:
     """Paths of the `nn.ModuleList`s of `config.num_hidden_layers` modules, the most parameters first."""
     name = type(model).__name__
-    num_layers = _config_value(model, "num_hidden_layers")
+    num_layers = config_value(model, "num_hidden_layers")
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"Cannot pipeline a {name}: its config has no num_hidden_layers to find its block stack by.")
-    sizes = {
-        path: sum(p.numel() for p in module.parameters())
-        for path, module in model.named_modules()
-        if isinstance(module, nn.ModuleList) and len(module) == num_layers
-    }
-    if not sizes:
+    stacks = layer_stacks(model, num_layers)
+    if not stacks:
         raise ValueError(
             f"Cannot pipeline a {name}: it has no nn.ModuleList of num_hidden_layers={num_layers} blocks (no block "
             "stack to cut between stages)."
         )
-    return sorted(sizes, key=lambda path: -sizes[path])
+    return stacks
 
 
 def find_block_stack(model: nn.Module, inputs: Mapping[str, torch.Tensor] | None = None) -> str:
@@ -271,7 +261,7 @@ class _Probe:
 
 def check_batch(model: nn.Module, batch: int = 2, seq_len: int = 8) -> dict[str, torch.Tensor]:
     """A small padded micro-batch for the probe and the start-up check: row 0 right-padded, row 1 left-padded."""
-    vocab = _config_value(model, "vocab_size")
+    vocab = config_value(model, "vocab_size")
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     vocab = getattr(embeddings, "num_embeddings", None) or vocab
     if not isinstance(vocab, int):
@@ -279,7 +269,7 @@ def check_batch(model: nn.Module, batch: int = 2, seq_len: int = 8) -> dict[str,
             f"No vocabulary size found for {type(model).__name__} (no input embedding, no config.vocab_size): pass "
             "the batch for the pipeline's start-up check explicitly."
         )
-    positions = _config_value(model, "max_position_embeddings")
+    positions = config_value(model, "max_position_embeddings")
     seq_len = min(seq_len, positions) if isinstance(positions, int) and positions > 2 else seq_len
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
@@ -444,9 +434,9 @@ def plan_pipeline(
     blocks = find_block_stack(model, inputs)
     num_layers = len(model.get_submodule(blocks))
     ranges = stage_layer_ranges(num_layers, num_stages)
-    if (_config_value(model, "layerdrop") or 0) > 0:
+    if (config_value(model, "layerdrop") or 0) > 0:
         raise ValueError(f"Cannot pipeline a {name} with layerdrop > 0: stages would drop blocks independently.")
-    if _config_value(model, "output_router_logits"):
+    if config_value(model, "output_router_logits"):
         raise _auxiliary_loss_error(name)
     outer = _outer_modules(model, blocks)
     probe = _probe(model, blocks, outer, inputs)

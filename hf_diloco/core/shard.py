@@ -1,0 +1,323 @@
+"""How the D data-parallel ranks of a worker share a fragment's outer state, and the collectives among them.
+
+A fragment's values form one flat vector, its pieces concatenated (`fragment.py`). Rank k of the worker's D ranks
+*owns* some runs of that vector and keeps θg, the outer optimizer state, eager's trajectory and the error-feedback
+residual for those runs only; it exchanges only them across workers, with the ranks owning the same runs in every
+worker (its outer group). So every rank holds 1/D of the outer state, and the D ranks together hold it once.
+
+- **Replicated workers** (DDP, or D = 1; `ReplicatedValues`): every rank holds the whole model. Rank k owns the
+  contiguous range `[k L, (k + 1) L)` of the vector, where `L` is the vector's length padded to a multiple of
+  `D x M x block` (`granularity`), divided by D: the shards the exchange has always averaged. After an apply each
+  rank writes its range into the model and the worker all-gathers the ranges over its fast link (`Worker`, on the
+  training thread), so every replica holds the same weights again before `step()` returns.
+- **Sharded workers** (FSDP2, `fully_shard` over `hf_diloco.worker_mesh`; `ShardedValues`): rank k holds rows of every
+  parameter, its DTensor's local shard. It owns exactly the values it holds, piece by piece, and writes them into its
+  shards; nothing is gathered (FSDP gathers the weights for the forward). Before writing, every FSDP module is
+  resharded, so the next forward all-gathers from the shards just written instead of reusing weights gathered
+  earlier.
+
+Every write, read and gather here is synchronous, on the training thread, and done before `step()` returns: the next
+forward can only read weights whose gather has completed (invariant 6 of docs/design.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from .fragments import Piece
+from .topology import Topology
+
+Run = tuple[int, int]  # (offset in the fragment's flat vector, number of values)
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which runs of a fragment's flat vector each rank of a worker owns.
+
+    Attributes:
+        numel: the length of the fragment's flat vector.
+        runs: per rank of the worker, its runs in the order of its owned vector (their values concatenated).
+    """
+
+    numel: int
+    runs: tuple[tuple[Run, ...], ...]
+
+    def length(self, rank: int) -> int:
+        return sum(length for _, length in self.runs[rank])
+
+    def assemble(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The whole flat vector from every rank's owned vector (`parts[k]` at least as long as rank k owns)."""
+        full = torch.empty(self.numel, dtype=parts[0].dtype)
+        for runs, part in zip(self.runs, parts):
+            at = 0
+            for offset, length in runs:
+                full[offset : offset + length] = part[at : at + length]
+                at += length
+        return full
+
+    def take(self, full: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s owned vector, cut from the whole flat vector."""
+        parts = [full[offset : offset + length] for offset, length in self.runs[rank]]
+        return torch.cat(parts) if parts else full[:0].clone()
+
+
+class Worker:
+    """Collectives among the D ranks of this rank's worker (same pipeline stage) that the engine runs on the training
+    thread, over `topology.shard_group` (gloo, CPU tensors). Alone (D = 1) each is a local no-op.
+
+    Args:
+        topology: this rank's groups.
+        count_bytes: told how many bytes each collective sent (`bytes_sent_intra_worker`).
+    """
+
+    def __init__(self, topology: Topology, count_bytes: Callable[[int], None]):
+        self.size = topology.data_parallel_size
+        self.index = topology.dp_index
+        self.group = topology.shard_group
+        self._count_bytes = count_bytes
+
+    @property
+    def alone(self) -> bool:
+        return self.size == 1 or self.group is None
+
+    def all_gather(self, vector: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Every rank's `vector` (rank k's of `lengths[k]` values), in rank order."""
+        longest = max(lengths)
+        if self.alone or longest == 0:
+            return [vector] if self.alone else [vector[:0].clone() for _ in lengths]
+        padded = torch.zeros(longest, dtype=vector.dtype)
+        padded[: vector.numel()] = vector
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        self._count_bytes((self.size - 1) * padded.nbytes)
+        return [part[:length] for part, length in zip(parts, lengths)]
+
+    def sum(self, values: Sequence[float]) -> list[float]:
+        """Elementwise sums over the worker's ranks, added in rank order in float64 (the same bits on every rank)."""
+        return [sum(column) for column in zip(*self._every_rank(values))]
+
+    def max(self, values: Sequence[float]) -> list[float]:
+        return [max(column) for column in zip(*self._every_rank(values))]
+
+    def all(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank of the worker."""
+        return self.max([0.0 if flag else 1.0])[0] == 0.0
+
+    def _every_rank(self, values: Sequence[float]) -> list[list[float]]:
+        mine = torch.tensor(list(values), dtype=torch.float64)
+        if self.alone:
+            return [mine.tolist()]
+        return [part.tolist() for part in self.all_gather(mine, [mine.numel()] * self.size)]
+
+
+class ReplicatedValues:
+    """This rank's owned values of a fragment when every rank of the worker holds the whole model.
+
+    Args:
+        pieces: the fragment's pieces, in the order of its flat vector.
+        params: the model's trainable parameters by name.
+        granularity: rank k owns `[k L, (k + 1) L)`, with L the vector's length padded to a multiple of `granularity`,
+            divided by D (the exchange's own shards, so nothing is padded twice).
+        worker: the worker's ranks.
+    """
+
+    # Values per rank and all-gather when the worker shares an update (bounds the transient buffer to D x this).
+    share_window = 1 << 22
+
+    def __init__(
+        self, pieces: Sequence[Piece], params: dict[str, nn.Parameter], granularity: int, worker: Worker
+    ) -> None:
+        self.pieces, self._params, self.worker = list(pieces), params, worker
+        shapes = [piece.shape(params[piece.name].shape) for piece in self.pieces]
+        self._sizes = [math.prod(shape) for shape in shapes]
+        self._offsets = [0]
+        for size in self._sizes:
+            self._offsets.append(self._offsets[-1] + size)
+        numel = self._offsets[-1]
+        self.span = max(1, -(-numel // granularity)) * granularity // worker.size
+        runs = tuple(
+            ((min(k * self.span, numel), max(0, min((k + 1) * self.span, numel) - k * self.span)),)
+            for k in range(worker.size)
+        )
+        self.layout = ShardLayout(numel, runs)
+        self._first, self._stop = runs[worker.index][0][0], sum(runs[worker.index][0])
+        if not worker.alone:
+            for piece in self.pieces:
+                if not params[piece.name].is_contiguous():
+                    raise ValueError(
+                        f"Parameter {piece.name} is not contiguous in memory; with data_parallel_per_worker > 1 each "
+                        "rank writes its share of the flat parameters in place. Make it contiguous before creating "
+                        "the DiLoCo engine."
+                    )
+
+    def owned_sizes(self) -> tuple[int, ...]:
+        """Per piece, how many of its values this rank owns."""
+        return tuple(max(0, min(stop, self._stop) - max(start, self._first)) for start, stop in self._spans())
+
+    def read(self) -> torch.Tensor:
+        """θm over this rank's runs, as a fresh flat fp32 CPU vector."""
+        parts = [
+            self._flat_rows(index)[lo - start : hi - start].to("cpu", torch.float32)
+            for index, start, lo, hi in self._overlaps(self._first, self._stop)
+        ]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+    def write(self, owned: torch.Tensor) -> None:
+        """θm <- `owned` over this rank's runs, and the other ranks' runs from them (an all-gather in windows)."""
+        if self.worker.alone:
+            self._write_range(0, owned)
+            return
+        lengths = [self.layout.length(k) for k in range(self.worker.size)]
+        for begin in range(0, self.span, self.share_window):
+            window = [max(0, min(self.share_window, length - begin)) for length in lengths]
+            parts = self.worker.all_gather(owned[begin : begin + window[self.worker.index]], window)
+            for rank, part in enumerate(parts):
+                self._write_range(rank * self.span + begin, part)
+
+    def gather(self, owned: torch.Tensor) -> torch.Tensor:
+        """The whole flat vector of an owned vector (θg, say) from every rank of the worker."""
+        if self.worker.alone:
+            return owned
+        lengths = [self.layout.length(k) for k in range(self.worker.size)]
+        return self.layout.assemble(self.worker.all_gather(owned, lengths))
+
+    def _spans(self) -> list[tuple[int, int]]:
+        return list(zip(self._offsets, self._offsets[1:]))
+
+    def _overlaps(self, first: int, stop: int) -> list[tuple[int, int, int, int]]:
+        """(piece index, piece start, overlap start, overlap stop) in flat offsets, for the pieces [first, stop) meets."""
+        return [
+            (index, start, max(start, first), min(end, stop))
+            for index, (start, end) in enumerate(self._spans())
+            if max(start, first) < min(end, stop)
+        ]
+
+    def _rows(self, index: int) -> torch.Tensor:
+        piece = self.pieces[index]
+        param = self._params[piece.name]
+        return param if param.dim() == 0 else param[piece.start : piece.stop]
+
+    def _flat_rows(self, index: int) -> torch.Tensor:
+        return self._rows(index).detach().reshape(-1)
+
+    def _write_range(self, first: int, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            for index, start, lo, hi in self._overlaps(first, first + values.numel()):
+                rows, chunk = self._rows(index), values[lo - first : hi - first]
+                if hi - lo == self._sizes[index]:  # a whole piece: also right for a parameter that is not contiguous
+                    rows.copy_(chunk.view(rows.shape).to(rows.device, rows.dtype))
+                else:
+                    rows.view(-1)[lo - start : hi - start].copy_(chunk.to(rows.device, rows.dtype))
+
+
+class ShardedValues:
+    """This rank's owned values of a fragment when the model is `fully_shard`-ed over the worker's mesh: the rows of
+    each piece that its DTensor local shards hold (FSDP2 shards dim 0 like `torch.chunk`).
+
+    Args:
+        pieces: the fragment's pieces, in the order of its flat vector.
+        params: the model's trainable parameters by name (DTensors sharded over the worker).
+        model: the model (its FSDP modules are resharded before a write).
+        worker: the worker's ranks.
+    """
+
+    def __init__(self, pieces: Sequence[Piece], params: dict[str, nn.Parameter], model: nn.Module, worker: Worker):
+        self.pieces, self._params, self._model, self.worker = list(pieces), params, model, worker
+        runs: list[list[Run]] = [[] for _ in range(worker.size)]
+        self._local_rows: list[tuple[int, int]] = []  # per piece: this rank's rows of it, in local-shard rows
+        offset = 0
+        for piece in self.pieces:
+            shape = params[piece.name].shape
+            row_numel = math.prod(shape[1:])
+            for rank in range(worker.size):
+                first, stop = _chunk_rows(shape[0], worker.size, rank)
+                lo, hi = max(piece.start, first), min(piece.stop, stop)
+                runs[rank].append((offset + (lo - piece.start) * row_numel, max(0, hi - lo) * row_numel))
+                if rank == worker.index:
+                    self._local_rows.append((lo - first, max(lo, hi) - first))
+            offset += (piece.stop - piece.start) * row_numel
+        self.layout = ShardLayout(offset, tuple(tuple(r) for r in runs))
+
+    def owned_sizes(self) -> tuple[int, ...]:
+        return tuple(length for _, length in self.layout.runs[self.worker.index])
+
+    def read(self) -> torch.Tensor:
+        parts = [rows.detach().reshape(-1).to("cpu", torch.float32) for rows in self._rows()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+
+    def write(self, owned: torch.Tensor) -> None:
+        """The local shards <- `owned`, after every FSDP module dropped its gathered weights."""
+        reshard(self._model)
+        with torch.no_grad():
+            for rows, chunk in zip(self._rows(), owned.split(self.owned_sizes())):
+                rows.copy_(chunk.view(rows.shape).to(rows.device, rows.dtype))
+
+    def gather(self, owned: torch.Tensor) -> torch.Tensor:
+        if self.worker.alone:
+            return owned
+        lengths = [self.layout.length(k) for k in range(self.worker.size)]
+        return self.layout.assemble(self.worker.all_gather(owned, lengths))
+
+    def _rows(self) -> list[torch.Tensor]:
+        return [
+            self._params[piece.name].to_local()[first:stop]
+            for piece, (first, stop) in zip(self.pieces, self._local_rows)
+        ]
+
+
+Values = ReplicatedValues | ShardedValues
+
+
+def _chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """The rows [first, stop) that `Shard(0)` over `ranks` ranks gives `rank` (torch.chunk: ceil(rows / ranks) each)."""
+    size = -(-rows // ranks)
+    return min(rank * size, rows), min((rank + 1) * size, rows)
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the weights every FSDP module of `model` holds gathered, so the next forward gathers the shards again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def is_sharded(params: dict[str, nn.Parameter], topology: Topology) -> bool:
+    """Whether the model is `fully_shard`-ed over this rank's worker (DTensor parameters); refuses any other sharding
+    with an error that says what to do."""
+    sharded = {name: isinstance(param, DTensor) for name, param in params.items()}
+    if not any(sharded.values()):
+        return False
+    plain = [name for name, is_dtensor in sharded.items() if not is_dtensor]
+    if plain:
+        raise ValueError(
+            f"Some parameters are DTensors and others ({plain[:3]}) are not: shard the whole model with "
+            "fully_shard(model, mesh=hf_diloco.worker_mesh(config)) (after sharding its blocks, if you like)."
+        )
+    expected = topology.layout.data_parallel_ranks(topology.worker_index, topology.stage_index)
+    for name, param in params.items():
+        ranks = param.device_mesh.mesh.flatten().tolist()
+        if param.device_mesh.ndim != 1 or tuple(param.placements) != (Shard(0),) or ranks != expected:
+            raise ValueError(
+                f"Parameter {name} is sharded as {tuple(param.placements)} over ranks {ranks}; DiLoCo needs FSDP2's "
+                f"Shard(0) over exactly this rank's worker, ranks {expected} (data_parallel_per_worker="
+                f"{topology.data_parallel_size}): fully_shard the model with mesh=hf_diloco.worker_mesh(config), "
+                "never across workers."
+            )
+        local_rows = param.to_local().shape[0] if param.dim() else 0
+        first, stop = _chunk_rows(param.shape[0], len(ranks), topology.dp_index) if param.dim() else (0, 0)
+        if param.dim() == 0 or local_rows != stop - first:
+            raise ValueError(
+                f"Parameter {name} of shape {tuple(param.shape)} holds {local_rows} local rows on data-parallel rank "
+                f"{topology.dp_index}; expected FSDP2's even split by rows ({stop - first}). Shard it with fully_shard "
+                "and its default placement."
+            )
+    return True
