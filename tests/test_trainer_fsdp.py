@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from hf_diloco.integrations.worker_fsdp import WorkerFSDPSettings, full_state_dict
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import run_on_processes
-from tests.engine_common import cpu_trainer_args, tiny_llama
+from tests.engine_common import assert_resumed_bitwise, cpu_trainer_args, tiny_llama
 
 VOCAB, SEQ, SAMPLES = 128, 16, 96
 H, STEPS, MID_ROUND_CHECKPOINT = 4, 12, 6
@@ -30,9 +30,9 @@ WORKERS, RANKS = 2, 2
 DILOCO = dict(inner_steps=H, num_fragments=2, sync_delay=1, data_parallel_per_worker=RANKS)
 
 
-def _dataset() -> Dataset:
-    generator = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=generator).tolist()
+def _dataset(samples: int = SAMPLES, seed: int = 1234) -> Dataset:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (samples, SEQ), generator=generator).tolist()
     return Dataset.from_dict({"input_ids": ids, "labels": ids})
 
 
@@ -48,8 +48,8 @@ def _train(output_dir: Path, resume: Path | None = None, **fsdp) -> DiLoCoTraine
         ),
         **DILOCO,
     )
-    model = tiny_llama(VOCAB, layers=2, max_positions=SEQ)
-    trainer = DiLoCoTrainer(model=model, args=args, train_dataset=_dataset())
+    model = tiny_llama(VOCAB, layers=2, max_positions=SEQ, tie_word_embeddings=True)
+    trainer = DiLoCoTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8, seed=99))
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     return trainer
 
@@ -64,6 +64,7 @@ def _record(trainer: DiLoCoTrainer) -> dict:
         "mesh": sorted({tuple(p.device_mesh.mesh.tolist()) for p in params if isinstance(p, DTensor)}),
         "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
         "is_ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
+        "eval_loss": trainer.evaluate()["eval_loss"],
     }
 
 
@@ -89,8 +90,9 @@ def runs(tmp_path_factory):
 
 @pytest.mark.timeout(900)
 def test_fsdp_shards_over_the_worker_and_equals_the_replicated_worker(runs):
-    """Every rank holds half of the model, sharded over its own worker's two ranks (no DDP around it); θg equals the
-    replicated run's within 1e-4 and is bitwise the same on all four ranks; the outer state is 1/D as replicated."""
+    """Every rank holds half of the model (tied embeddings), sharded over its own worker's two ranks (no DDP around
+    it); θg equals the replicated run's within 1e-4 and is bitwise the same on all four ranks; the losses and the
+    evaluation of θg after training agree within 1e-5; the outer state is 1/D as replicated."""
     _, results = runs
     whole = sum(value.numel() for value in results[0]["replicated"]["global"].values())
     for rank, result in enumerate(results):
@@ -105,6 +107,7 @@ def test_fsdp_shards_over_the_worker_and_equals_the_replicated_worker(runs):
             assert torch.equal(sharded["global"][name], results[0]["sharded"]["global"][name]), (rank, name)
         for step, loss in replicated["losses"].items():
             assert sharded["losses"][step] == pytest.approx(loss, abs=1e-5), (rank, step)
+        assert sharded["eval_loss"] == pytest.approx(replicated["eval_loss"], abs=1e-5)
     assert results[0]["sharded"]["losses"] != results[RANKS]["sharded"]["losses"], "workers read other shards"
 
 
@@ -114,14 +117,7 @@ def test_fsdp_resume_from_mid_round_checkpoint_is_bitwise(runs):
     bitwise: θg, the model after training, and the losses of the steps it ran itself."""
     _, results = runs
     for result in results:
-        full, resumed = result["sharded"], result["resumed"]
-        for name, value in full["global"].items():
-            assert torch.equal(resumed["global"][name], value), name
-        for name, value in full["model"].items():
-            assert torch.equal(resumed["model"][name], value), name
-        ran = {step: loss for step, loss in resumed["losses"].items() if step > MID_ROUND_CHECKPOINT}
-        assert ran == {step: loss for step, loss in full["losses"].items() if step > MID_ROUND_CHECKPOINT}
-        assert len(ran) == STEPS - MID_ROUND_CHECKPOINT
+        assert_resumed_bitwise(result["sharded"], result["resumed"], MID_ROUND_CHECKPOINT, STEPS)
 
 
 @pytest.mark.timeout(900)
