@@ -157,3 +157,27 @@ def test_fsdp_settings_follow_the_trainer_arguments(tmp_path):
     )
     settings = WorkerFSDPSettings.from_plugin_args(args.fsdp_plugin_args, args.diloco_config())
     assert settings == WorkerFSDPSettings(reshard_after_forward=False, wrap_classes=("LlamaDecoderLayer",))
+
+
+def _plugin_refuses_a_sharded_model(rank: int, world: int) -> str:
+    from accelerate import Accelerator
+    from torch.distributed.fsdp import fully_shard
+
+    from hf_diloco import DiLoCoConfig, DiLoCoPlugin, worker_mesh
+
+    model = tiny_llama(VOCAB, layers=2, max_positions=SEQ)
+    fully_shard(model, mesh=worker_mesh(DiLoCoConfig()))
+    optimizer = torch.optim.AdamW(model.parameters())
+    try:
+        DiLoCoPlugin(environ={}).prepare(Accelerator(cpu=True), model, optimizer)
+    except ValueError as error:
+        return str(error)
+    return "prepared"
+
+
+@pytest.mark.timeout(120)
+def test_the_accelerate_plugin_refuses_a_sharded_model():
+    """`DiLoCoPlugin` cannot save or load a sharded model through `accelerator.save_state`: it says so and what to
+    use instead, before any engine starts."""
+    (message,) = run_on_processes(_plugin_refuses_a_sharded_model, 1, timeout_seconds=100)
+    assert "sharded with FSDP" in message and "DiLoCoTrainer" in message
