@@ -159,25 +159,38 @@ def test_fsdp_settings_follow_the_trainer_arguments(tmp_path):
     assert settings == WorkerFSDPSettings(reshard_after_forward=False, wrap_classes=("LlamaDecoderLayer",))
 
 
-def _plugin_refuses_a_sharded_model(rank: int, world: int) -> str:
+def _one_process_checks(rank: int, world: int) -> dict:
     from accelerate import Accelerator
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
-    from hf_diloco import DiLoCoConfig, DiLoCoPlugin, worker_mesh
+    from hf_diloco import DiLoCoConfig, DiLoCoPlugin
+    from hf_diloco.integrations.worker_fsdp import shard_worker_model
 
-    model = tiny_llama(VOCAB, layers=2, max_positions=SEQ)
-    fully_shard(model, mesh=worker_mesh(DiLoCoConfig()))
-    optimizer = torch.optim.AdamW(model.parameters())
+    config = DiLoCoConfig()
+    result = {}
     try:
-        DiLoCoPlugin(environ={}).prepare(Accelerator(cpu=True), model, optimizer)
+        shard_worker_model(tiny_llama(VOCAB, 2, SEQ), config, WorkerFSDPSettings(wrap_classes=("NoSuchLayer",)))
     except ValueError as error:
-        return str(error)
-    return "prepared"
+        result["unknown_class"] = str(error)
+    model = tiny_llama(VOCAB, layers=2, max_positions=SEQ)
+    shard_worker_model(model, config, WorkerFSDPSettings(wrap_classes=("LlamaDecoderLayer", "LlamaRMSNorm")))
+    result["units"] = sorted(type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule))
+    try:
+        DiLoCoPlugin(environ={}).prepare(Accelerator(cpu=True), model, torch.optim.AdamW(model.parameters()))
+    except ValueError as error:
+        result["plugin"] = str(error)
+    return result
 
 
 @pytest.mark.timeout(120)
-def test_the_accelerate_plugin_refuses_a_sharded_model():
-    """`DiLoCoPlugin` cannot save or load a sharded model through `accelerator.save_state`: it says so and what to
-    use instead, before any engine starts."""
-    (message,) = run_on_processes(_plugin_refuses_a_sharded_model, 1, timeout_seconds=100)
-    assert "sharded with FSDP" in message and "DiLoCoTrainer" in message
+def test_units_follow_fsdp_config_and_the_accelerate_plugin_refuses_a_sharded_model():
+    """`transformer_layer_cls_to_wrap` names the units sharded before the root (a name matching nothing is refused);
+    `DiLoCoPlugin` cannot save or load a sharded model through `accelerator.save_state`: it says so and what to use
+    instead, before any engine starts."""
+    (result,) = run_on_processes(_one_process_checks, 1, timeout_seconds=100)
+    assert "NoSuchLayer" in result["unknown_class"] and "names no module" in result["unknown_class"]
+    # 2 decoder layers, their 2 norms each and the final norm, and the root.
+    assert result["units"] == sorted(
+        ["FSDPLlamaDecoderLayer"] * 2 + ["FSDPLlamaRMSNorm"] * 5 + ["FSDPLlamaForCausalLM"]
+    )
+    assert "sharded with FSDP" in result["plugin"] and "DiLoCoTrainer" in result["plugin"]

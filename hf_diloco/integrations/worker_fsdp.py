@@ -113,7 +113,8 @@ def _units(model: nn.Module, wrap_classes: tuple[str, ...]) -> list[nn.Module]:
                 f"fsdp_config['transformer_layer_cls_to_wrap'] = {list(wrap_classes)} names no module of "
                 f"{type(model).__name__}: name its block classes, or leave it unset to shard block by block."
             )
-        return [unit for unit in units if unit is not model and not isinstance(unit, FSDPModule)]
+        # Innermost first: a module sharded before its parent is its own unit, and the parent leaves its parameters.
+        return [unit for unit in reversed(units) if unit is not model and not isinstance(unit, FSDPModule)]
     stack = find_block_stack(model)
     if stack is None:
         raise ValueError(
