@@ -280,3 +280,16 @@ def reference_run(
 def rows_of(tensors: dict[str, torch.Tensor], unit: Unit) -> torch.Tensor:
     tensor = tensors[unit[0]]
     return tensor if tensor.dim() == 0 else tensor[unit[1] : unit[2]]
+
+
+def assert_resumed_bitwise(full: dict, resumed: dict, checkpoint_step: int, steps: int) -> None:
+    """A trainer run resumed at `checkpoint_step` ends where the uninterrupted one did, bitwise: θg (`global`), the
+    model (`model`) and the losses (`losses`, step -> loss) of the steps it ran itself."""
+    for name, value in full["global"].items():
+        assert torch.equal(resumed["global"][name], value), name
+    for name, value in full["model"].items():
+        assert torch.equal(resumed["model"][name], value), name
+    # The resumed history starts with the checkpoint's (rank 0's steps); the steps it ran itself must match.
+    ran = {step: loss for step, loss in resumed["losses"].items() if step > checkpoint_step}
+    assert ran == {step: loss for step, loss in full["losses"].items() if step > checkpoint_step}
+    assert len(ran) == steps - checkpoint_step

@@ -27,7 +27,7 @@ from transformers import (
 from hf_diloco.config import DiLoCoConfig
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import free_port, run_on_processes
-from tests.engine_common import cpu_trainer_args, tiny_llama
+from tests.engine_common import assert_resumed_bitwise, cpu_trainer_args, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, SEQ, SAMPLES = 128, 16, 64
@@ -396,15 +396,7 @@ def test_resume_from_mid_round_checkpoint_is_bitwise(diloco_runs, run):
     """Invariant 5: resuming at step 6 (H=4: mid-round; streaming: fragment 0 in flight) continues bitwise."""
     _, results = diloco_runs
     for result in results:
-        full, resumed = result[run], result[f"{run}_resumed"]
-        for name, value in full["global"].items():
-            assert torch.equal(resumed["global"][name], value), name
-        for name, value in full["model"].items():
-            assert torch.equal(resumed["model"][name], value), name
-        # The resumed history starts with the checkpoint's (rank 0's steps 1-6); the steps it ran itself must match.
-        ran = {step: loss for step, loss in resumed["losses"].items() if step > MID_ROUND_CHECKPOINT}
-        assert ran == {step: loss for step, loss in full["losses"].items() if step > MID_ROUND_CHECKPOINT}
-        assert len(ran) == STEPS - MID_ROUND_CHECKPOINT
+        assert_resumed_bitwise(result[run], result[f"{run}_resumed"], MID_ROUND_CHECKPOINT, STEPS)
 
 
 @pytest.mark.timeout(600)

@@ -192,12 +192,21 @@ class DiLoCo:
         """
         saved = [fragment.local() for fragment in self.fragments]
         try:
-            for fragment in self.fragments:
-                fragment.write_local(fragment.theta_g)
+            self.load_global_weights()
             yield self.model
         finally:
             for fragment, values in zip(self.fragments, saved):
                 fragment.write_local(values)
+
+    def load_global_weights(self) -> None:
+        """Write θg into the model for good (after `close()`, say: the model then is the global model).
+
+        With D > 1 data-parallel ranks per worker this is a collective inside the worker (replicated ranks all-gather
+        their shares; a model sharded with FSDP gets θg in its shards): every rank of the worker calls it at the same
+        point.
+        """
+        for fragment in self.fragments:
+            fragment.write_local(fragment.theta_g)
 
     def metrics(self) -> dict[str, float]:
         """`diloco/*` scalars for logging; computed from local state only (no collective): with D > 1 data-parallel

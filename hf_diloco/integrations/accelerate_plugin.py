@@ -51,6 +51,7 @@ from .engine_session import EngineSession
 from .rank_state import RANK_STATE_NAME as STATE_NAME
 from .rank_state import load_rank_state, save_rank_state
 from .settings import DiLoCoSettings
+from .worker_fsdp import holds_shards
 
 
 @dataclasses.dataclass(init=False, repr=False, eq=False)
@@ -143,6 +144,7 @@ class DiLoCoPlugin(DiLoCoSettings):
 
         Raises:
             `RuntimeError`: the launcher started several processes that Accelerate did not join into one run.
+            `ValueError`: `pipeline_stages` > 1, a model sharded with FSDP, or an Accelerator with Accelerate's FSDP.
         """
         if self._session is not None:
             raise RuntimeError("This DiLoCoPlugin has already prepared a model; create one plugin per model.")
@@ -150,6 +152,12 @@ class DiLoCoPlugin(DiLoCoSettings):
             raise ValueError(
                 f"pipeline_stages={self.pipeline_stages}: DiLoCoPlugin trains one full model replica per process; "
                 "use pipeline_stages=1."
+            )
+        if holds_shards(model):
+            raise ValueError(
+                "DiLoCoPlugin does not take a model sharded with FSDP: accelerator.save_state / load_state would write "
+                "and read its shards as whole tensors. Pass the Trainer's fsdp arguments to DiLoCoTrainer, or drive "
+                "DiLoCo(model, optimizer, config) directly on a model fully_shard-ed over hf_diloco.worker_mesh(config)."
             )
         topology = worker_topology(
             self,

@@ -6,8 +6,10 @@ would all-reduce across workers. Here:
 - `worker_topology` refuses a launch whose processes Accelerate did not join into one run, then builds the rank grid
   and its process groups (`Topology.from_default_group`);
 - `prepare_worker_model` prepares the model for the loop: a one-process worker has nobody to average gradients with
-  and is not wrapped in DDP at all; a worker of several processes is wrapped in DDP over its own group
-  (`route_ddp_to_worker`, which hands Accelerate a `WorkerDDPKwargs`).
+  and is not wrapped in DDP at all, nor is a model `fully_shard`-ed over its worker (FSDP2 averages the gradients
+  over the worker's ranks itself, see `worker_fsdp`); a worker of several processes is otherwise wrapped in DDP over
+  its own group (`route_ddp_to_worker`, which hands Accelerate a `WorkerDDPKwargs`). Accelerate's own FSDP, which
+  shards over every process, is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +23,15 @@ from torch import nn
 from ..core.config import DiLoCoConfig
 from ..core.topology import Topology
 from ..run_summary import check_processes_joined
+from .worker_fsdp import holds_shards
+
+ACCELERATE_FSDP_REFUSED = (
+    "Accelerate's FSDP (an FSDP plugin, `accelerate launch --use_fsdp`, ACCELERATE_USE_FSDP) shards the model over "
+    "every process, so every step would exchange weights and gradients across workers. Shard inside each worker "
+    "instead: with DiLoCoTrainer pass the Trainer's `fsdp` / `fsdp_config` arguments; in an Accelerate loop call "
+    "`fully_shard(model, mesh=hf_diloco.worker_mesh(config))` (its blocks first) before `prepare`, and create the "
+    "Accelerator without an FSDP plugin."
+)
 
 
 @dataclasses.dataclass
@@ -70,6 +81,18 @@ def worker_is_one_process(accelerator: Any, topology: Topology) -> bool:
     return accelerator.distributed_type != DistributedType.NO and topology.data_parallel_group is None
 
 
+def needs_no_ddp(accelerator: Any, topology: Topology, model: nn.Module) -> bool:
+    """Nothing for DDP to do: the worker is one process, or the model is sharded over the worker (FSDP2 averages
+    its gradients over the worker's ranks itself)."""
+    return worker_is_one_process(accelerator, topology) or holds_shards(model)
+
+
+def refuse_accelerate_fsdp(accelerator: Any) -> None:
+    """Raise `ValueError` when Accelerate would shard the model over the whole run (`ACCELERATE_FSDP_REFUSED`)."""
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise ValueError(ACCELERATE_FSDP_REFUSED)
+
+
 def prepare_without_ddp(accelerator: Any, model: nn.Module) -> nn.Module:
     """Accelerate's evaluation mode: mixed precision, device placement and compilation without the DDP wrap; the
     model is marked prepared, so a later `accelerator.prepare(model, optimizer)` keeps it as it is."""
@@ -77,8 +100,10 @@ def prepare_without_ddp(accelerator: Any, model: nn.Module) -> nn.Module:
 
 
 def prepare_worker_model(accelerator: Any, model: nn.Module, topology: Topology) -> nn.Module:
-    """`accelerator.prepare_model` for a DiLoCo worker: DDP over the worker's processes, or none for one process."""
-    if worker_is_one_process(accelerator, topology):
+    """`accelerator.prepare_model` for a DiLoCo worker: DDP over the worker's processes, or none for one process or
+    a model sharded over the worker. Refuses Accelerate's FSDP (`ACCELERATE_FSDP_REFUSED`)."""
+    refuse_accelerate_fsdp(accelerator)
+    if needs_no_ddp(accelerator, topology, model):
         return prepare_without_ddp(accelerator, model)
     route_ddp_to_worker(accelerator, topology)
     return accelerator.prepare_model(model)

@@ -96,10 +96,4 @@ class EngineSession:
     def close(self) -> None:
         """Apply every exchange in flight and sync the tails (`DiLoCo.close`), then copy theta_g into the model."""
         self.engine.close()
-        self.copy_global_parameters_into_model()
-
-    @torch.no_grad()
-    def copy_global_parameters_into_model(self) -> None:
-        params = dict(self.engine.model.named_parameters())
-        for name, value in self.engine.global_parameters().items():
-            params[name].copy_(value)
+        self.engine.load_global_weights()

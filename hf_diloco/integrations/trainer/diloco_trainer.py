@@ -6,6 +6,7 @@ engine (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming DiLoCo, arXiv
 
 - `engine_lifecycle.py`: process groups, the model wrapped for its worker, the engine of each `train()`;
 - `worker_collectives.py`: the Trainer's per-step gathers, loss scale, logging and FLOs inside the worker (TRL too);
+- `worker_sharding.py`: the Trainer's `fsdp` settings, FSDP2 over each worker's ranks (never across workers);
 - `checkpoints.py`: atomic checkpoints with each rank's DiLoCo state, resume, the run that was already finished;
 - `rank_agreement.py`: the settings every rank must share, and the bounded global points;
 - `global_model.py`: evaluation and saving on theta_g, the model card, the push to the Hub;
@@ -24,6 +25,7 @@ from typing import Any
 from torch import nn
 from transformers import Trainer
 
+from ..accelerate_worker import refuse_accelerate_fsdp
 from .arguments import DiLoCoTrainingArguments
 from .checkpoints import Checkpoints
 from .engine_lifecycle import EngineLifecycle, EngineStepCallback
@@ -31,9 +33,12 @@ from .global_model import GlobalModel
 from .pipeline_stages import PipelineTrainerMixin
 from .rank_agreement import RankAgreement
 from .worker_collectives import WorkerCollectives
+from .worker_sharding import WorkerSharding
 
 
-class DiLoCoTrainer(EngineLifecycle, Checkpoints, RankAgreement, GlobalModel, WorkerCollectives, Trainer):
+class DiLoCoTrainer(
+    EngineLifecycle, WorkerSharding, Checkpoints, RankAgreement, GlobalModel, WorkerCollectives, Trainer
+):
     """
     A [`~transformers.Trainer`] that trains with DiLoCo: every worker runs the Trainer's own inner optimizer and LR
     schedule on its shard of the data, and the `DiLoCo` engine averages the workers' progress every `inner_steps`
@@ -61,6 +66,10 @@ class DiLoCoTrainer(EngineLifecycle, Checkpoints, RankAgreement, GlobalModel, Wo
           ends with.
         - Logged `loss` is the worker's loss (averaged over its data-parallel processes), `num_input_tokens_seen`
           counts the worker's tokens, and `diloco/*` metrics come from the engine.
+        - With the Trainer's `fsdp` arguments (`fsdp=True`, `--fsdp`, `fsdp_config`) the model is `fully_shard`-ed
+          over each worker's `data_parallel_per_worker` ranks (`hf_diloco.worker_mesh`), never across workers, on
+          CPU and GPU alike; every rank keeps 1/D of the model, its inner optimizer and the outer state. Saving
+          gathers the model inside the worker into one normal folder. Not with `pipeline_stages` > 1.
         - With `pipeline_stages` > 1 the trainer built is a `PipelinedDiLoCoTrainer` (of a subclass: the subclass
           with [`~hf_diloco.pipeline_trainer.PipelineTrainerMixin`] in front): each rank trains, syncs and keeps the
           state of its own pipeline stage only (`trainer.pipeline_runner.stage_module`; the other stages' parameters
@@ -87,10 +96,13 @@ class DiLoCoTrainer(EngineLifecycle, Checkpoints, RankAgreement, GlobalModel, Wo
         self._settings_that_must_agree: dict[str, Any] = {}
         self._final_metrics: dict[str, float] = {}  # evaluations of the model as train() left it
         super().__init__(model, args, *pos, **kwargs)
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+        if self.is_deepspeed_enabled:
             raise ValueError(
-                "DiLoCoTrainer needs full parameters on every process: DeepSpeed and FSDP are not supported."
+                "DiLoCoTrainer does not support DeepSpeed (it shards over every process, across workers); to shard "
+                "the model inside each worker pass the Trainer's fsdp arguments."
             )
+        refuse_accelerate_fsdp(self.accelerator)
+        self._shard_model_over_worker()
         self.add_callback(EngineStepCallback(self))
         self._keep_collectives_in_worker()
 

@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from ...core.diloco import DiLoCo
 from ...core.topology import Topology
-from ..accelerate_worker import prepare_without_ddp, route_ddp_to_worker, worker_is_one_process, worker_topology
+from ..accelerate_worker import needs_no_ddp, prepare_without_ddp, route_ddp_to_worker, worker_topology
 from ..engine_session import EngineSession
 
 
@@ -64,7 +64,7 @@ class EngineLifecycle:
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         unwrapped = self.accelerator.unwrap_model(model, keep_torch_compile=False) is model
-        if training and unwrapped and worker_is_one_process(self.accelerator, self._get_topology()):
+        if training and unwrapped and needs_no_ddp(self.accelerator, self._get_topology(), model):
             return prepare_without_ddp(self.accelerator, model)
         return super()._wrap_model(model, training=training, dataloader=dataloader)
 

@@ -56,7 +56,9 @@ class GlobalModel:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the global model theta_g and, on the saving process, its DiLoCo model card as `README.md`."""
-        takes_part = self.args.should_save or self._every_rank_saves_the_model
+        # With D > 1 ranks per worker each holds 1/D of theta_g, and swapping it in is a collective inside the worker.
+        spread = self._get_topology().data_parallel_size > 1
+        takes_part = self.args.should_save or self._every_rank_saves_the_model or spread
         with self._global_weights() if takes_part else contextlib.nullcontext():
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
