@@ -31,7 +31,9 @@ def test_memory_benchmark_writes_its_table(tmp_path):
     assert seven_b["sharded_per_rank"] == pytest.approx(LLAMA_2_7B_PARAMETERS)  # 8 bytes / parameter / 8 ranks
     assert seven_b["replicated_per_node"] == pytest.approx(64 * LLAMA_2_7B_PARAMETERS)
     rss = result["rss"]["D=1 DDP"]
-    assert 0 < rss["engine_rss_bytes"] < rss["peak_rss_bytes"]
+    # The smoke model's outer state (0.36 MB) can fit in memory the process had already touched before the engine
+    # existed, so its part of the peak may be 0 here; at the benchmark's size it is hundreds of MB.
+    assert 0 <= rss["engine_rss_bytes"] < rss["peak_rss_bytes"]
     table = out.with_suffix(".md").read_text()
     assert "| DiLoCo | 0.36 MB (1.00x) |" in table and "| D=1 DDP |" in table
 
