@@ -181,7 +181,8 @@ def validate(wan: dict, rates: dict[str, float]) -> list[dict]:
         transfer = sync_bytes(parameters, compression, "reduce_scatter", 2) * 8 / (run["rate_mbit"] * 1e6)
         step = run["compute_seconds_per_step"]
         period = settings["inner_steps"] / fragments * step
-        predicted = utilization(period, main, exchange, transfer, method["sync_delay"] * step)
+        window = method["sync_delay"] * step
+        predicted = utilization(period, main, exchange, transfer, window)
         rows.append(
             {
                 "method": run["method"],
@@ -189,6 +190,9 @@ def validate(wan: dict, rates: dict[str, float]) -> list[dict]:
                 "step_seconds": step,
                 "transfer_seconds": transfer,
                 "host_seconds": main + exchange,
+                "predicted_stall_seconds": main + max(0.0, exchange + transfer - window),
+                # What the loop took beyond its compute, per sync (fragment syncs for streaming).
+                "measured_stall_seconds": (run["loop_seconds"] - run["steps_done"] * step) / run["outer_steps"],
                 "predicted": predicted,
                 "measured": run["utilization"],
             }
@@ -222,13 +226,15 @@ def print_projection(rows: list[dict], args: argparse.Namespace, threads: int) -
 
 def print_validation(rows: list[dict]) -> None:
     print(
-        "| method | rate (Mbit/s) | step (s) | transfer per sync (s) | host per sync (s) | predicted | measured | predicted / measured |"
+        "| method | rate (Mbit/s) | step (s) | transfer per sync (s) | host per sync (s) | stall per sync, predicted "
+        "| measured | utilization, predicted | measured | predicted / measured |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['method']} | {r['rate_mbit']:g} | {r['step_seconds']:.3f} | {r['transfer_seconds']:.3f} | "
-            f"{r['host_seconds']:.4f} | {r['predicted']:.3f} | {r['measured']:.3f} | {r['predicted'] / r['measured']:.3f} |"
+            f"{r['host_seconds']:.4f} | {r['predicted_stall_seconds']:.3f} | {r['measured_stall_seconds']:.3f} | "
+            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['predicted'] / r['measured']:.3f} |"
         )
 
 
