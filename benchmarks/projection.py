@@ -7,7 +7,8 @@ Per sync of one fragment (1/P of the model) on a worker, the model is:
 
 - bytes = what the exchange sends per rank for the fragment's encoded payload: 2 (M - 1) / M of it with
   `reduce_scatter`, (M - 1) x with `all_gather` (the formulas `benchmarks.scaling` checks against the package);
-- transfer = bytes x 8 / link bandwidth;
+- transfer = bytes x 8 / (link bandwidth x `--link_efficiency`, the share of the nominal rate an exchange gets;
+  the tbf link of `benchmarks.wan` gave blocking exchanges about half of it);
 - host CPU = the GB of fp32 one rank handles x the CPU seconds per GB that `benchmarks.sync_cost` measured for each
   stage on this machine (`--costs`, at its largest model and `--threads`, default one thread: one core per rank);
   a rank handles 1/D of the fragment, D the worker's GPUs (`data_parallel_per_worker`: each rank averages and steps
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", default=f"{RESULTS_DIR}/sync_cost.json", help="benchmarks.sync_cost output.")
     parser.add_argument("--threads", type=int, default=1, help="Which thread count of --costs.")
     parser.add_argument("--links", type=float, nargs="+", default=[1.0, 10.0], help="Link bandwidths, Gbit/s.")
+    parser.add_argument(
+        "--link_efficiency",
+        type=float,
+        default=1.0,
+        help="Share of the nominal link rate an exchange achieves (the measured tbf link: ~0.5, BENCHMARKS.md).",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compression", default="fp4")
     parser.add_argument("--exchange_pattern", default="reduce_scatter", choices=sorted(EXCHANGE_STAGES))
@@ -86,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     threads = args.threads
     rates = stage_rates(costs, threads)
     if args.validate:
-        rows = validate(json.loads(args.validate.read_text()), rates)
+        rows = validate(json.loads(args.validate.read_text()), rates, args.link_efficiency)
         print_validation(rows)
         return rows
     rows = project(args, rates)
@@ -144,7 +151,7 @@ def project(args: argparse.Namespace, rates: dict[str, float]) -> list[dict]:
             )
             sent = sync_bytes(parameters / fragments, args.compression, args.exchange_pattern, args.workers)
             for link in args.links:
-                transfer = sent * 8 / (link * 1e9)
+                transfer = sent * 8 / (link * 1e9 * args.link_efficiency)
                 period, window = inner_steps / fragments * step, delay * step
                 rows.append(
                     {
@@ -167,7 +174,7 @@ def project(args: argparse.Namespace, rates: dict[str, float]) -> list[dict]:
     return rows
 
 
-def validate(wan: dict, rates: dict[str, float]) -> list[dict]:
+def validate(wan: dict, rates: dict[str, float], link_efficiency: float = 1.0) -> list[dict]:
     """Predicted and measured utilization of every diloco / streaming run of a benchmarks.wan result."""
     settings, rows = wan["settings"], []
     for run in wan["runs"]:
@@ -178,7 +185,8 @@ def validate(wan: dict, rates: dict[str, float]) -> list[dict]:
         compression = method["compression"]
         parameters = run["grad_bytes"] / 4 / fragments
         main, exchange = host_seconds(rates, parameters * 4 / 1e9, compression, "reduce_scatter", 2)
-        transfer = sync_bytes(parameters, compression, "reduce_scatter", 2) * 8 / (run["rate_mbit"] * 1e6)
+        rate = run["rate_mbit"] * 1e6 * link_efficiency
+        transfer = sync_bytes(parameters, compression, "reduce_scatter", 2) * 8 / rate
         step = run["compute_seconds_per_step"]
         period = settings["inner_steps"] / fragments * step
         window = method["sync_delay"] * step
@@ -206,7 +214,8 @@ def validate(wan: dict, rates: dict[str, float]) -> list[dict]:
 def print_projection(rows: list[dict], args: argparse.Namespace, threads: int) -> None:
     print(
         f"{args.compression}, {args.exchange_pattern}, M = {args.workers}"
-        f"{', entropy coding' if args.entropy_coding else ''}; host costs of {args.costs} ({threads} threads); "
+        f"{', entropy coding' if args.entropy_coding else ''}; link efficiency {args.link_efficiency:g}; "
+        f"host costs of {args.costs} ({threads} threads); "
         f"step times: {STEP_SOURCE}\n"
     )
     header = (
