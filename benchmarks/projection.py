@@ -67,12 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", default=f"{RESULTS_DIR}/sync_cost.json", help="benchmarks.sync_cost output.")
     parser.add_argument("--threads", type=int, default=1, help="Which thread count of --costs.")
     parser.add_argument("--links", type=float, nargs="+", default=[1.0, 10.0], help="Link bandwidths, Gbit/s.")
-    parser.add_argument(
-        "--link_efficiency",
-        type=float,
-        default=1.0,
-        help="Share of the nominal link rate an exchange achieves (the measured tbf link: ~0.5, BENCHMARKS.md).",
-    )
+    parser.add_argument("--link_efficiency", type=float, default=1.0, help="Share of the link rate an exchange gets.")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compression", default="fp4")
     parser.add_argument("--exchange_pattern", default="reduce_scatter", choices=sorted(EXCHANGE_STAGES))
