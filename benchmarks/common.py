@@ -206,6 +206,15 @@ def _all_reduce_gradients(model: torch.nn.Module, world: int) -> int:
     return sent
 
 
+def exchange_bytes(pattern: str, workers: int, payload_bytes: float) -> float:
+    """Bytes one rank sends to average a vector whose whole encoded payload is `payload_bytes`, by the definition of
+    the `exchange_pattern`: `reduce_scatter` sends M - 1 chunks of 1/M of it, then its averaged chunk to the M - 1
+    others (2 (M - 1) / M x payload); `all_gather` sends the whole payload to the M - 1 others ((M - 1) x payload)."""
+    if pattern == "all_gather":
+        return (workers - 1) * payload_bytes
+    return 2 * (workers - 1) / workers * payload_bytes
+
+
 def _ring_all_reduce_bytes(tensor: torch.Tensor, world: int) -> int:
     """Bytes one rank sends in a ring all-reduce of `tensor` over `world` ranks."""
     return 2 * (world - 1) * tensor.numel() * tensor.element_size() // world

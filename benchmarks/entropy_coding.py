@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import _deflate, _inflate
+from hf_diloco.core.exchange import deflate_payload, inflate_payload
 
 
 def measure(payload: torch.Tensor, threads: int, repeats: int) -> dict:
@@ -26,10 +26,10 @@ def measure(payload: torch.Tensor, threads: int, repeats: int) -> dict:
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
             started = time.perf_counter()
-            packed = _deflate(payload, pool)
+            packed = deflate_payload(payload, pool)
             deflate_seconds.append(time.perf_counter() - started)
             started = time.perf_counter()
-            restored = _inflate(packed, payload.numel(), worker=0, pool=pool)
+            restored = inflate_payload(packed, payload.numel(), worker=0, pool=pool)
             inflate_seconds.append(time.perf_counter() - started)
             assert torch.equal(restored, payload)
     megabytes = payload.numel() / 1e6

@@ -19,11 +19,6 @@ PACKAGE = ROOT / "benchmarks"
 MODULES = sorted(
     info.name for info in pkgutil.iter_modules(benchmarks.__path__) if info.name not in ("common", "netns")
 )
-# Private names a benchmark still needs until hf_diloco makes them public: (module, imported from, name).
-PRIVATE_UNTIL_PUBLIC = {
-    ("entropy_coding", "hf_diloco.core.exchange", "_deflate"),
-    ("entropy_coding", "hf_diloco.core.exchange", "_inflate"),
-}
 
 
 def _private_imports(path: Path) -> set[tuple[str, str, str]]:
@@ -50,7 +45,7 @@ def test_no_module_imports_a_private_name_or_edits_the_import_path():
     for path in sorted(PACKAGE.rglob("*.py")):
         assert import_path not in path.read_text(), f"{path.relative_to(ROOT)} edits {import_path}"
         private |= _private_imports(path)
-    assert private <= PRIVATE_UNTIL_PUBLIC, f"private imports: {sorted(private - PRIVATE_UNTIL_PUBLIC)}"
+    assert not private, f"private imports: {sorted(private)}"
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -156,7 +156,7 @@ def test_config_by_name_or_path(tmp_path):
 def test_configs_command_lists_and_prints(capsys):
     assert configs.main([]) == 0
     listing = capsys.readouterr().out
-    assert all(name in listing for name in ("tiny_diloco", "tiny_ddp", "streaming_diloco", "diloco_x"))
+    assert all(name in listing for name in ("tiny_diloco", "tiny_ddp", "streaming_diloco", "diloco_x", "slow_link"))
     assert configs.main(["streaming_diloco"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["diloco"]["num_fragments"] == 4
 

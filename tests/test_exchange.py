@@ -13,7 +13,7 @@ import torch
 from hf_diloco import DiLoCo, DiLoCoConfig
 from hf_diloco.core import exchange as exchange_module
 from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import OuterExchange, OuterSyncError, _deflate, _inflate
+from hf_diloco.core.exchange import OuterExchange, OuterSyncError, deflate_payload, inflate_payload
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_llama, tiny_model, train_engine
@@ -194,13 +194,13 @@ def test_deflate_round_trip_and_inflate_refuses_bytes_that_are_not_what_deflate_
     codec = make_codec("fp4", block_size=128)
     payload = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(0)))
     nbytes = payload.numel()
-    packed = _deflate(payload)
+    packed = deflate_payload(payload)
     with ThreadPoolExecutor(2) as pool:
-        assert torch.equal(_deflate(payload, pool), packed)  # threads change nothing in the bytes
-        assert torch.equal(_inflate(packed, nbytes, 1, pool), payload)
+        assert torch.equal(deflate_payload(payload, pool), packed)  # threads change nothing in the bytes
+        assert torch.equal(inflate_payload(packed, nbytes, 1, pool), payload)
     assert packed.numel() == _deflated_size(payload) < nbytes
-    assert torch.equal(_inflate(packed, nbytes, worker=1), payload)
-    assert torch.equal(_inflate(payload, nbytes, worker=1), payload)  # sent raw
+    assert torch.equal(inflate_payload(packed, nbytes, worker=1), payload)
+    assert torch.equal(inflate_payload(payload, nbytes, worker=1), payload)  # sent raw
     sizes = [min(2**20, nbytes - start) for start in range(0, nbytes, 2**20)]
     header = 4 * len(sizes)
 
@@ -227,7 +227,7 @@ def test_deflate_round_trip_and_inflate_refuses_bytes_that_are_not_what_deflate_
         with pytest.raises(
             ValueError, match=f"worker 1 sent .* neither a {nbytes}-byte encoded payload nor its deflated"
         ):
-            _inflate(received, nbytes, worker=1)
+            inflate_payload(received, nbytes, worker=1)
             pytest.fail(case)
 
 

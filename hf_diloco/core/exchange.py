@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .adaptive import CompressionPolicy, Observation
-from .codecs import COMPRESSIONS, Codec
+from .codecs import COMPRESSIONS, Codec, coding_pool
 from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
 from .shard import ShardLayout
@@ -229,9 +229,9 @@ class OuterExchange:
             self._coding_pool = None
 
     def coding_pool(self) -> Executor:
-        """Threads that deflate and inflate the pieces of large payloads in parallel (entropy coding)."""
+        """Threads that encode, decode, deflate and inflate the pieces of long vectors and payloads in parallel."""
         if self._coding_pool is None:
-            self._coding_pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="diloco-deflate")
+            self._coding_pool = coding_pool(min(8, os.cpu_count() or 1))
         return self._coding_pool
 
     def wire_bytes(self, numel: int, codec: Codec | None = None, shards: int | None = None) -> int:
@@ -368,8 +368,12 @@ class _ExchangeJob:
         ex, topo = self.exchange, self.exchange.topology
         numel = vector.numel()
         shards, index = (topo.data_parallel_size, topo.dp_index) if split else (1, 0)
-        padded = torch.zeros(_padded_length(numel, ex.granularity(codec, shards)), dtype=torch.float32)
-        padded[:numel] = vector
+        padded_numel = _padded_length(numel, ex.granularity(codec, shards))
+        padded = vector
+        if padded_numel > numel:
+            padded = torch.empty(padded_numel, dtype=torch.float32)
+            padded[:numel].copy_(vector)
+            padded[numel:].zero_()
         my_shard = padded.chunk(shards)[index]
         if topo.num_workers == 1 or topo.outer_group is None:
             averaged_shard, residual, sent = my_shard.clone(), None, 0
@@ -433,41 +437,51 @@ class _ExchangeJob:
         workers = self.exchange.topology.num_workers
         if self.exchange.pattern == "all_gather":
             return self._gather_contributions(shard, codec)
+        pool = self.exchange.coding_pool()
         chunks = shard.chunk(workers)
         chunk_numel = chunks[0].numel()
-        encoded = [codec.encode(chunk) for chunk in chunks]
-        residual = None
-        if self.exchange.keep_residual:
-            residual = torch.cat([chunk - codec.decode(enc, chunk_numel) for chunk, enc in zip(chunks, encoded)])
+        encoded = [codec.encode(chunk, pool) for chunk in chunks]
+        residual = self._dropped(shard, encoded, codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all(encoded, codec.encoded_nbytes(chunk_numel))
-        total = _sum_decoded(received, codec, chunk_numel)
+        average = codec.decode_sum(received, chunk_numel, pool).div_(workers)
         # The all_gather of the averaged chunks, as an all_to_all that sends the same payload to every worker.
         gathered, sent_back = self._all_to_all(
-            [codec.encode(total / workers)] * workers, codec.encoded_nbytes(chunk_numel)
+            [codec.encode(average, pool)] * workers, codec.encoded_nbytes(chunk_numel)
         )
-        averaged = torch.cat([codec.decode(payload, chunk_numel) for payload in gathered])
-        return averaged, residual, sent + sent_back
+        return self._decoded(gathered, codec, shard.numel()), residual, sent + sent_back
 
     def _gather_contributions(
         self, shard: torch.Tensor, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """`pattern="all_gather"`: every worker's encoded shard to every worker, decoded and summed in worker order."""
-        numel, workers = shard.numel(), self.exchange.topology.num_workers
-        encoded = codec.encode(shard)
-        residual = shard - codec.decode(encoded, numel) if self.exchange.keep_residual else None
+        numel, workers, pool = shard.numel(), self.exchange.topology.num_workers, self.exchange.coding_pool()
+        encoded = codec.encode(shard, pool)
+        residual = self._dropped(shard, [encoded], codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all([encoded] * workers, codec.encoded_nbytes(numel))
-        return _sum_decoded(received, codec, numel) / workers, residual, sent
+        return codec.decode_sum(received, numel, pool).div_(workers), residual, sent
+
+    def _decoded(self, payloads: list[torch.Tensor], codec: Codec, numel: int) -> torch.Tensor:
+        """The payloads of consecutive equal parts of a vector of `numel` values, decoded into one fp32 vector."""
+        decoded = torch.empty(numel, dtype=torch.float32)
+        for part, payload in zip(decoded.chunk(len(payloads)), payloads):
+            codec.decode(payload, part.numel(), out=part, pool=self.exchange.coding_pool())
+        return decoded
+
+    def _dropped(self, shard: torch.Tensor, encoded: list[torch.Tensor], codec: Codec) -> torch.Tensor:
+        """What encoding the shard's consecutive equal parts as `encoded` dropped: shard - decoded, in fp32."""
+        return torch.sub(shard, self._decoded(encoded, codec, shard.numel()))
 
     def _all_to_all(self, payloads: list[torch.Tensor], nbytes: int) -> tuple[list[torch.Tensor], int]:
         """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""
         topo, coding = self.exchange.topology, self.exchange.entropy_coding
         me = dist.get_rank(group=topo.outer_group)
-        pool = self.exchange.coding_pool() if coding else None
+        pool = self.exchange.coding_pool()
         sizes = arriving = [p.numel() for p in payloads]
         sent = 0
         if coding:
             outgoing = {id(p): p for j, p in enumerate(payloads) if j != me}
-            deflated = {key: _deflate(p, pool) for key, p in outgoing.items()}  # a payload sent to all is packed once
+            # A payload sent to every worker is packed once.
+            deflated = {key: deflate_payload(p, pool) for key, p in outgoing.items()}
             payloads = [p if j == me else deflated[id(p)] for j, p in enumerate(payloads)]
             sizes = [p.numel() for p in payloads]
             incoming = torch.empty(len(sizes), dtype=torch.int64)
@@ -480,7 +494,7 @@ class _ExchangeJob:
         sent += sum(size for j, size in enumerate(sizes) if j != me)
         parts = list(received.split(arriving))
         if coding:
-            parts = [_inflate(part, nbytes, worker, pool) for worker, part in enumerate(parts)]
+            parts = [inflate_payload(part, nbytes, worker, pool) for worker, part in enumerate(parts)]
         return parts, sent
 
     def _gather_inside_worker(self, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -497,9 +511,15 @@ _PIECE_BYTES = 1 << 20  # deflated independently, so that threads share the work
 _deflate_piece = functools.partial(zlib.compress, level=1)
 
 
-def _deflate(payload: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
+def deflate_payload(payload: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
     """The payload's 1 MiB pieces deflated (a little-endian uint32 length per piece, then the zlib streams), when
-    that is shorter than the payload; else the payload itself."""
+    that is shorter than the payload; else the payload itself (what `entropy_coding` sends).
+
+    Args:
+        payload (`torch.Tensor`): 1-D uint8, an encoded payload.
+        pool (`Executor`, *optional*): threads that deflate pieces in parallel (zlib releases the GIL); the bytes are
+            the same without it.
+    """
     raw = memoryview(payload.contiguous().numpy())
     pieces = [raw[start : start + _PIECE_BYTES] for start in range(0, len(raw), _PIECE_BYTES)]
     streams = _map(pool, _deflate_piece, pieces)
@@ -509,8 +529,18 @@ def _deflate(payload: torch.Tensor, pool: Executor | None = None) -> torch.Tenso
     return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
 
 
-def _inflate(received: torch.Tensor, nbytes: int, worker: int, pool: Executor | None = None) -> torch.Tensor:
-    """Undo `_deflate`: a payload of exactly `nbytes` arrived raw, a shorter one deflated."""
+def inflate_payload(received: torch.Tensor, nbytes: int, worker: int, pool: Executor | None = None) -> torch.Tensor:
+    """Undo `deflate_payload`: a payload of exactly `nbytes` arrived raw, a shorter one deflated.
+
+    Args:
+        received (`torch.Tensor`): 1-D uint8, what arrived from `worker`.
+        nbytes (`int`): the encoded payload's length.
+        worker (`int`): the sender, named in the error.
+        pool (`Executor`, *optional*): threads that inflate pieces in parallel.
+
+    Raises:
+        `ValueError` when the bytes are neither the payload nor its deflated form (a peer with other settings).
+    """
     if received.numel() == nbytes:
         return received
     sizes = [min(_PIECE_BYTES, nbytes - start) for start in range(0, nbytes, _PIECE_BYTES)]
@@ -541,14 +571,6 @@ def _inflate_piece(stream: memoryview, size: int) -> bytes | None:
     except zlib.error:
         return None
     return raw if len(raw) == size and inflater.eof and not inflater.unused_data else None
-
-
-def _sum_decoded(payloads: list[torch.Tensor], codec: Codec, numel: int) -> torch.Tensor:
-    """The fp32 sum of the decoded payloads, in worker order (so every worker computes the same bits)."""
-    total = torch.zeros(numel, dtype=torch.float32)
-    for payload in payloads:
-        total += codec.decode(payload, numel)
-    return total
 
 
 def _padded_length(numel: int, granularity: int) -> int:

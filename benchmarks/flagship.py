@@ -1,0 +1,106 @@
+"""The shipped slow-link config against DDP at equal tokens: bytes per token (close() tail included) and eval loss.
+
+    python -m benchmarks.flagship --seed 2 --out runs/flagship_seed2        # one run: DDP and the config, side by side
+    python -m benchmarks.flagship --table runs/flagship_seed*.json          # per-seed table, mean and standard error
+
+A run is `benchmarks.quality --long` (the 229,952-parameter Llama, 1,720,320 tokens, 7.5 tokens per parameter,
+2 workers) with two methods: `ddp@2` and `diloco` with every setting of the `diloco:` section of `--config` (a
+shipped config name or a YAML file; default `slow_link`); the config's model, data and training sections are not
+used, the long regime's are. `--methods` adds other candidates to the same run (specs of `benchmarks.comm`).
+
+`--table` reads such runs and prints, per seed and method, the eval loss gap to DDP of the same seed and how many
+times fewer bytes per token the method sent than DDP, counting every byte: the training loop's and the once-per-run
+tail sync of `close()` (which `benchmarks.comm` reports apart). Then the mean ± standard error of the gaps, over
+the seeds given (`--seeds` picks some, e.g. the held-out ones).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks import quality
+from benchmarks.common import RESULTS_DIR
+
+DEFAULT_CONFIG = "slow_link"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--config", default=DEFAULT_CONFIG, help="Shipped config name or YAML file (its diloco section)."
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", nargs="*", default=[], help="Other candidates run in the same benchmark run.")
+    parser.add_argument("--out", default=f"{RESULTS_DIR}/flagship", help="Writes OUT.json, OUT.md and OUT.png.")
+    parser.add_argument("--table", nargs="+", type=Path, metavar="RUN", help="Print the table of these runs instead.")
+    parser.add_argument("--seeds", type=int, nargs="*", help="With --table: only these seeds.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict] | list[str]:
+    args = build_parser().parse_args(argv)
+    if args.table:
+        lines = table([json.loads(path.read_text()) for path in args.table], args.seeds)
+        print("\n".join(lines))
+        return lines
+    methods = ["ddp@2", config_method(args.config), *args.methods]
+    return quality.main(["--long", "--seed", str(args.seed), "--out", args.out, "--methods", *methods])
+
+
+def config_method(name_or_path: str) -> str:
+    """The `benchmarks.comm` spec of a config's `diloco:` section: `diloco` with every setting it names, 2 workers."""
+    from hf_diloco.job_config import read_config
+
+    section = read_config(name_or_path).section("diloco")
+    settings = ",".join(
+        f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in section.items()
+    )
+    return f"diloco:{settings}@2"
+
+
+def total_bytes_per_token(result: dict) -> float:
+    """Every byte a worker sent (the loop's and the tail sync of `close()`) per token it trained."""
+    return (result["bytes_sent"] + result["final_sync_bytes"]) / result["tokens_per_worker"]
+
+
+def seed_of(run: dict) -> int:
+    command = run["command"].split()
+    return int(command[command.index("--seed") + 1]) if "--seed" in command else 0
+
+
+def table(runs: list[dict], seeds: list[int] | None = None) -> list[str]:
+    """Per seed and method: gap to DDP and bytes ratio (tail included); then mean ± s.e. of the gaps."""
+    rows: dict[str, dict[int, tuple[float, float]]] = {}
+    for run in runs:
+        seed = seed_of(run)
+        if seeds and seed not in seeds:
+            continue
+        ddp = next(r for r in run["results"] if r["method"] == "ddp@2")
+        for result in run["results"]:
+            if result is ddp:
+                continue
+            gap = result["eval_loss"] / ddp["eval_loss"] - 1
+            fewer = total_bytes_per_token(ddp) / total_bytes_per_token(result)
+            rows.setdefault(result["method"], {})[seed] = (gap, fewer)
+    all_seeds = sorted({seed for per_seed in rows.values() for seed in per_seed})
+    header = ["method", *(f"seed {s}" for s in all_seeds), "mean gap ± s.e.", "x fewer bytes than DDP"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method, per_seed in rows.items():
+        gaps = [gap for gap, _ in per_seed.values()]
+        fewer = [ratio for _, ratio in per_seed.values()]
+        error = f" ± {100 * statistics.stdev(gaps) / len(gaps) ** 0.5:.2f}" if len(gaps) > 1 else ""
+        cells = [f"{100 * per_seed[s][0]:+.2f}%" if s in per_seed else "" for s in all_seeds]
+        spread = (
+            f"{min(fewer):.0f}x" if round(min(fewer)) == round(max(fewer)) else f"{min(fewer):.0f}-{max(fewer):.0f}x"
+        )
+        lines.append(
+            f"| {method} | " + " | ".join(cells) + f" | **{100 * statistics.fmean(gaps):+.2f}%{error}** | {spread} |"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""A projection of the outer sync to 1B, 7B and 70B models, from measured per-GB host costs and cited GPU step times.
+
+    python -m benchmarks.projection                                         # 1B / 7B / 70B, 1 and 10 Gbit/s
+    python -m benchmarks.projection --validate benchmarks/results/wan_results.json
+
+Per sync of one fragment (1/P of the model) on a worker, the model is:
+
+- bytes = what the exchange sends per rank for the fragment's encoded payload: 2 (M - 1) / M of it with
+  `reduce_scatter`, (M - 1) x with `all_gather` (the formulas `benchmarks.scaling` checks against the package);
+- transfer = bytes x 8 / (link bandwidth x `--link_efficiency`, the share of the nominal rate an exchange gets;
+  the tbf link of `benchmarks.wan` gave blocking exchanges about half of it);
+- host CPU = the GB of fp32 one rank handles x the CPU seconds per GB that `benchmarks.sync_cost` measured for each
+  stage on this machine (`--costs`, at its largest model and `--threads`, default one thread: one core per rank);
+  a rank handles 1/D of the fragment, D the worker's GPUs (`data_parallel_per_worker`: each rank averages and steps
+  its own share); the stages `engine.step()` runs on the training thread (pseudo-gradient, outer step, unflatten:
+  `main`) and those the background exchange runs (encode, decode, sum, and deflate/inflate with `--entropy_coding`:
+  `exchange`);
+- period = the compute between two fragment launches, H / P steps x the step time; window = the compute an
+  exchange can hide behind, τ steps (0: blocking; `--sync_delay`);
+- utilization = period / (period + main + max(0, exchange + transfer - window)).
+
+Step times are published measurements of 8 (64 for 70B) H100 80GB GPUs in bf16, cited in `STEP_TIMES`; a worker is
+that many GPUs, its step that row's batch. The host costs are this machine's (2 shared AMD EPYC cores, no GPU): the
+flatten and unflatten copies stand in for the device-host copies, so a real host with more cores and pinned memory
+is faster than this projects, and the PCIe copy is not modelled.
+
+`--validate WAN_JSON` predicts every `diloco` and `streaming` run of a `benchmarks.wan` result file from the same
+model (its own measured compute per step, its rate, its H, P, τ and codec) and prints predicted next to measured
+utilization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR, exchange_bytes
+from hf_diloco.core.codecs import make_codec
+
+# Published training throughput (H100 80GB, bf16, sequence length 2048) from mosaicml/llm-foundry,
+# scripts/train/benchmarking/README.md, table "H100 80GB BF16": (parameters, GPUs, global batch in tokens,
+# tokens per second of all GPUs). A step is one global batch: batch / throughput seconds.
+STEP_TIMES = {
+    "1B": (1_315_950_592, 8, 229_376, 363_645),
+    "7B": (6_658_859_008, 8, 98_304, 85_144),
+    "70B": (64_862_437_376, 64, 4_194_304, 66_523),
+}
+STEP_SOURCE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16, sequence length 2048"
+MAIN_STAGES = ("pseudo-gradient", "outer step", "unflatten")
+# The exchange's stages and how much of the model each processes per sync, by pattern (M workers): reduce_scatter
+# encodes the M chunks, sums the M decoded chunks it owns, encodes the averaged chunk and decodes all M averages;
+# all_gather encodes once and sums M decoded vectors.
+EXCHANGE_STAGES = {
+    "reduce_scatter": lambda m: {"encode": 1 + 1 / m, "sum": 1.0, "decode": 1.0},
+    "all_gather": lambda m: {"encode": 1.0, "sum": float(m)},
+}
+# benchmarks.wan's methods and the settings of their DiLoCoConfig (wan.diloco_config) that the model needs.
+WAN_METHODS = {
+    "diloco": {"compression": "none", "sync_delay": 0},
+    "streaming": {"compression": "fp4", "sync_delay": 1},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--costs", default=f"{RESULTS_DIR}/sync_cost.json", help="benchmarks.sync_cost output.")
+    parser.add_argument("--threads", type=int, default=1, help="Which thread count of --costs.")
+    parser.add_argument("--links", type=float, nargs="+", default=[1.0, 10.0], help="Link bandwidths, Gbit/s.")
+    parser.add_argument("--link_efficiency", type=float, default=1.0, help="Share of the link rate an exchange gets.")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--compression", default="fp4")
+    parser.add_argument("--exchange_pattern", default="reduce_scatter", choices=sorted(EXCHANGE_STAGES))
+    parser.add_argument("--entropy_coding", action="store_true", help="Adds deflate and inflate to the host cost.")
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=["1,100,0", "4,100,1", "1,500,0", "4,500,1"],
+        help="P,H,tau triples: fragments, inner steps, sync delay in steps (0: blocking).",
+    )
+    parser.add_argument("--validate", type=Path, metavar="WAN_JSON", help="Predict a benchmarks.wan result file.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    costs = json.loads(Path(args.costs).read_text())
+    threads = args.threads
+    rates = stage_rates(costs, threads)
+    if args.validate:
+        rows = validate(json.loads(args.validate.read_text()), rates, args.link_efficiency)
+        print_validation(rows)
+        return rows
+    rows = project(args, rates)
+    print_projection(rows, args, threads)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- the model
+
+
+def stage_rates(costs: dict, threads: int) -> dict[str, float]:
+    """GB of fp32 model per CPU second of every stage, at the largest model measured with `threads` threads."""
+    largest = max(row["parameters"] for row in costs["rows"] if row["threads"] == threads)
+    return {
+        row["stage"]: row["gb_per_cpu_second"]
+        for row in costs["rows"]
+        if row["threads"] == threads and row["parameters"] == largest and row["version"] == "package"
+    }
+
+
+def host_seconds(
+    rates: dict[str, float], gigabytes: float, compression: str, pattern: str, workers: int, entropy: bool = False
+) -> tuple[float, float]:
+    """(training-thread seconds, background-exchange seconds) of one sync of `gigabytes` of fp32."""
+    main = sum(gigabytes / rates[stage] for stage in MAIN_STAGES)
+    shares = EXCHANGE_STAGES[pattern](workers)
+    exchange = sum(share * gigabytes / rates[f"{compression} {stage}"] for stage, share in shares.items())
+    if entropy:
+        exchange += sum(gigabytes / rates[f"{compression} {stage}"] for stage in ("deflate", "inflate"))
+    return main, exchange
+
+
+def sync_bytes(parameters: float, compression: str, pattern: str, workers: int) -> float:
+    """Bytes one rank sends per sync of `parameters` values (block padding neglected)."""
+    codec = make_codec(compression)
+    payload = parameters * codec.bits / 8 + parameters / codec.align * getattr(codec, "scale_nbytes", 0)
+    return exchange_bytes(pattern, workers, payload)
+
+
+def utilization(period: float, main: float, exchange: float, transfer: float, window: float) -> float:
+    """Compute / wall time of one fragment period: the exchange's excess over its window stalls the training."""
+    return period / (period + main + max(0.0, exchange + transfer - window))
+
+
+def project(args: argparse.Namespace, rates: dict[str, float]) -> list[dict]:
+    rows = []
+    for model, (parameters, gpus, batch, throughput) in STEP_TIMES.items():
+        step = batch / throughput
+        for setting in args.settings:
+            fragments, inner_steps, delay = (int(v) for v in setting.split(","))
+            # Each of the worker's GPUs' ranks codes and steps its 1/D share of the fragment (data_parallel_per_worker).
+            gigabytes = parameters * 4 / 1e9 / fragments / gpus
+            main, exchange = host_seconds(
+                rates, gigabytes, args.compression, args.exchange_pattern, args.workers, args.entropy_coding
+            )
+            sent = sync_bytes(parameters / fragments, args.compression, args.exchange_pattern, args.workers)
+            for link in args.links:
+                transfer = sent * 8 / (link * 1e9 * args.link_efficiency)
+                period, window = inner_steps / fragments * step, delay * step
+                rows.append(
+                    {
+                        "model": model,
+                        "gpus": gpus,
+                        "step_seconds": step,
+                        "fragments": fragments,
+                        "inner_steps": inner_steps,
+                        "sync_delay": delay,
+                        "link_gbit": link,
+                        "bytes_per_sync": sent,
+                        "transfer_seconds": transfer,
+                        "main_seconds": main,
+                        "exchange_seconds": exchange,
+                        "period_seconds": period,
+                        "window_seconds": window,
+                        "utilization": utilization(period, main, exchange, transfer, window),
+                    }
+                )
+    return rows
+
+
+def validate(wan: dict, rates: dict[str, float], link_efficiency: float = 1.0) -> list[dict]:
+    """Predicted and measured utilization of every diloco / streaming run of a benchmarks.wan result."""
+    settings, rows = wan["settings"], []
+    for run in wan["runs"]:
+        if run.get("status") != "ok" or run["method"] not in WAN_METHODS:
+            continue
+        method = WAN_METHODS[run["method"]]
+        fragments = 1 if run["method"] == "diloco" else settings["fragments"]
+        compression = method["compression"]
+        parameters = run["grad_bytes"] / 4 / fragments
+        main, exchange = host_seconds(rates, parameters * 4 / 1e9, compression, "reduce_scatter", 2)
+        rate = run["rate_mbit"] * 1e6 * link_efficiency
+        transfer = sync_bytes(parameters, compression, "reduce_scatter", 2) * 8 / rate
+        step = run["compute_seconds_per_step"]
+        period = settings["inner_steps"] / fragments * step
+        window = method["sync_delay"] * step
+        predicted = utilization(period, main, exchange, transfer, window)
+        rows.append(
+            {
+                "method": run["method"],
+                "rate_mbit": run["rate_mbit"],
+                "step_seconds": step,
+                "transfer_seconds": transfer,
+                "host_seconds": main + exchange,
+                "predicted_stall_seconds": main + max(0.0, exchange + transfer - window),
+                # What the loop took beyond its compute, per sync (fragment syncs for streaming).
+                "measured_stall_seconds": (run["loop_seconds"] - run["steps_done"] * step) / run["outer_steps"],
+                "predicted": predicted,
+                "measured": run["utilization"],
+            }
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- output
+
+
+def print_projection(rows: list[dict], args: argparse.Namespace, threads: int) -> None:
+    print(
+        f"{args.compression}, {args.exchange_pattern}, M = {args.workers}"
+        f"{', entropy coding' if args.entropy_coding else ''}; link efficiency {args.link_efficiency:g}; "
+        f"host costs of {args.costs} ({threads} threads); "
+        f"step times: {STEP_SOURCE}\n"
+    )
+    header = (
+        "| model (GPUs per worker, step) | P | H | τ | link | bytes per sync | transfer | host CPU (main + exchange) "
+        "| compute window | period | utilization |"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for r in rows:
+        print(
+            f"| {r['model']} ({r['gpus']}, {r['step_seconds']:.2f} s) | {r['fragments']} | {r['inner_steps']} | "
+            f"{r['sync_delay']} | {r['link_gbit']:g} Gbit/s | {r['bytes_per_sync'] / 1e9:.2f} GB | "
+            f"{r['transfer_seconds']:.1f} s | {r['main_seconds']:.1f} + {r['exchange_seconds']:.1f} s | "
+            f"{r['window_seconds']:.1f} s | {r['period_seconds']:.0f} s | {r['utilization']:.3f} |"
+        )
+
+
+def print_validation(rows: list[dict]) -> None:
+    print(
+        "| method | rate (Mbit/s) | step (s) | transfer per sync (s) | host per sync (s) | stall per sync, predicted "
+        "| measured | utilization, predicted | measured | predicted / measured |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['method']} | {r['rate_mbit']:g} | {r['step_seconds']:.3f} | {r['transfer_seconds']:.3f} | "
+            f"{r['host_seconds']:.4f} | {r['predicted_stall_seconds']:.3f} | {r['measured_stall_seconds']:.3f} | "
+            f"{r['predicted']:.3f} | {r['measured']:.3f} | {r['predicted'] / r['measured']:.3f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

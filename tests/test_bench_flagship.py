@@ -1,0 +1,42 @@
+"""`benchmarks.flagship`: the per-seed table counts the close() tail in the bytes, and the shipped config's spec."""
+
+import json
+
+import pytest
+
+from benchmarks import flagship
+
+CANDIDATE = "diloco:inner_steps=120@2"
+
+
+def _run(seed: int, ddp_loss: float, loss: float, tail: int) -> dict:
+    ddp = {"method": "ddp@2", "eval_loss": ddp_loss, "bytes_sent": 900_000, "final_sync_bytes": 0}
+    method = {"method": CANDIDATE, "eval_loss": loss, "bytes_sent": 700, "final_sync_bytes": tail}
+    results = [{**r, "tokens_per_worker": 1000} for r in (ddp, method)]
+    return {
+        "command": f"python -m benchmarks.quality --long --seed {seed} --methods ddp@2 {CANDIDATE}",
+        "results": results,
+    }
+
+
+def test_table_counts_the_tail_and_gives_mean_and_standard_error(tmp_path, capsys):
+    paths = []
+    for seed, loss, tail in ((2, 4.04, 200), (3, 3.96, 200), (4, 4.02, 0)):
+        paths.append(tmp_path / f"seed{seed}.json")
+        paths[-1].write_text(json.dumps(_run(seed, 4.0, loss, tail)))
+    lines = flagship.main(["--table", *map(str, paths)])
+    row = lines[2].split(" | ")
+    assert row[1:4] == ["+1.00%", "-1.00%", "+0.50%"]
+    # gaps +1, -1, +0.5 %: mean +0.17, sample standard deviation 1.04, / sqrt(3) = 0.60
+    assert row[4] == "**+0.17% ± 0.60**"
+    assert row[5] == "1000-1286x |"  # 900,000 / (700 + 200) and 900,000 / 700
+    assert flagship.main(["--table", *map(str, paths), "--seeds", "2"])[2].split(" | ")[2] == "**+1.00%**"
+    assert capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["slow_link"])
+def test_shipped_config_becomes_a_diloco_spec_of_two_workers(name):
+    spec = flagship.config_method(name)
+    assert spec.startswith("diloco:") and spec.endswith("@2")
+    settings = dict(item.split("=") for item in spec[len("diloco:") : -len("@2")].split(","))
+    assert settings["compression"] == "fp4" and settings["entropy_coding"] == "true"
