@@ -29,6 +29,7 @@ from .agreement import (
 )
 from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig
+from .elastic import ElasticRounds, Membership
 from .exchange import OuterExchange
 from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, fragments_launched_at, partition_fragments, steps_since_launch
@@ -67,6 +68,10 @@ class DiLoCo:
         num_blocks: the length of the whole block stack when `model` holds part of it (a pipeline stage).
         extra_fingerprint: any text every rank must agree on besides the DiLoCo settings and the model (e.g. the
             training schedule, tokenizer and data hashes); compared at start-up.
+        membership: elastic workers (`elastic.py`): every exchange runs among the workers present, found by this
+            backend (e.g. `TorchftMembership`), instead of a fixed group. This process is then one whole worker, and
+            a worker that starts behind the others takes their state during construction: read `inner_step`
+            afterwards to know where training continues.
     """
 
     def __init__(
@@ -77,8 +82,12 @@ class DiLoCo:
         topology: Topology | None = None,
         num_blocks: int | None = None,
         extra_fingerprint: str = "",
+        membership: Membership | None = None,
     ):
         self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
+        if membership is not None:
+            check_elastic_supported(config, topology)
+            topology = topology or Topology.single_process()
         self.topology = topology or Topology.from_default_group(
             config.pipeline_stages, config.data_parallel_per_worker, config.sync_timeout_seconds
         )
@@ -118,6 +127,9 @@ class DiLoCo:
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
         self._timer = _StepTimer()
+        self.elastic = None if membership is None else ElasticRounds(self, membership)
+        if self.elastic is not None:
+            self.elastic.join()
         self._count_outer_state()
 
     # ----------------------------------------------------------------------------------------------- the loop
@@ -150,6 +162,8 @@ class DiLoCo:
             self._sync_tail(self.fragments[index], delta)
         self.overlap.after_close(self.fragments)
         self.exchange.close()
+        if self.elastic is not None:
+            self.elastic.close()
         self._count_outer_state()
 
     def add_observer(self, observer: Callable[[RoundRecord], None]) -> RemovableHandle:
@@ -256,6 +270,9 @@ class DiLoCo:
     def _launch(self, fragment: Fragment) -> None:
         delta = fragment.pseudo_gradient(self.overlap.round_start(fragment))
         self.stats.pseudo_grad_norm = float(delta.norm())
+        if self.elastic is not None:
+            self.elastic.launch(fragment, delta)
+            return
         pending = self.exchange.launch(
             delta.cpu(),
             self._description("outer sync", fragment),
@@ -267,6 +284,9 @@ class DiLoCo:
         self.overlap.launched(fragment, InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta))
 
     def _sync_tail(self, fragment: Fragment, delta: torch.Tensor) -> None:
+        if self.elastic is not None:
+            self.elastic.tail(fragment, delta)
+            return
         pending = self.exchange.launch(
             delta.cpu(),
             self._description("final outer sync", fragment),
@@ -324,6 +344,27 @@ class _StepTimer:
 
     def step_ends(self) -> None:
         self._ended = time.perf_counter()
+
+
+def check_elastic_supported(config: DiLoCoConfig, topology: Topology | None) -> None:
+    """Refuse, before anything starts, what elastic membership does not run (docs/design.md says why)."""
+    refused = []
+    if config.overlap != "streaming" or config.sync_delay:
+        refused.append(f"overlap={config.overlap!r} with sync_delay={config.sync_delay} (use streaming, sync_delay 0)")
+    if config.pipeline_stages > 1 or config.data_parallel_per_worker > 1:
+        refused.append("more than one process per worker (pipeline_stages and data_parallel_per_worker must be 1)")
+    if topology is not None and (topology.num_workers > 1 or topology.layout.worker_size > 1):
+        refused.append("a fixed topology of several processes (an elastic worker is one process)")
+    if config.lowrank_rank or config.adaptive_compression:
+        refused.append("low-rank or adaptive compression")
+    if config.robust_clip_factor:
+        refused.append("robust_clip_factor (a joining worker's zeros would lower the median)")
+    if refused:
+        raise ValueError(
+            "Elastic membership runs blocking exchanges among single-process workers; not supported: "
+            + "; ".join(refused)
+            + ". Change these settings, or run without elastic membership."
+        )
 
 
 def _make_exchange(topology: Topology, config: DiLoCoConfig) -> OuterExchange:

@@ -57,6 +57,25 @@ from .topology import Topology
 WIRE_FORMAT = 2
 
 
+@dataclass(frozen=True)
+class OuterGroup:
+    """The workers one exchange averages over, when they are not the topology's fixed outer group (elastic
+    membership: the round's members, `elastic.py`).
+
+    Attributes:
+        group: a process group of the round's members, one rank per worker.
+        rank: this worker's rank in it.
+        size: its number of members.
+        contributes: this worker's pseudo-gradient counts (a worker that joined during the fragment's round sends
+            zeros and the average is taken over the contributors only).
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    contributes: bool = True
+
+
 @dataclass
 class ExchangeResult:
     average: torch.Tensor  # fp32, same length as the launched vector
@@ -65,6 +84,7 @@ class ExchangeResult:
     bytes_sent_intra_worker: int
     clipped: bool = False  # this rank's contribution was scaled down by robust aggregation
     choice: dict | None = None  # the adaptive setting this exchange used (step, rank, compression, reason)
+    contributors: int | None = None  # with an `OuterGroup`: the workers whose pseudo-gradient the average holds
 
 
 class OuterSyncError(RuntimeError):
@@ -205,15 +225,17 @@ class OuterExchange:
         compressor: LowRankCompressor | None = None,
         context: dict | None = None,
         layout: ShardLayout | None = None,
+        outer: OuterGroup | None = None,
     ) -> PendingExchange:
         """Start averaging `vector`; with `compressor`, average its low-rank approximation instead.
 
         `context` tells an adaptive policy about the launch: `step`, `fragment`, `step_seconds`, `overlap_steps`.
         `layout`: `vector` is this rank's owned share of a fragment (`shard.py`), and so is the average returned. Without
         it, `vector` is the same on every data-parallel rank of the worker, which split its averaging between them.
+        `outer`: average over these workers instead of the topology's outer group.
         """
         vector = vector.detach().to(torch.float32).contiguous()
-        job = _ExchangeJob(self, vector, compressor, context or {}, layout)
+        job = _ExchangeJob(self, vector, compressor, context or {}, layout, outer)
         if blocking and self.inline_when_blocking:
             return PendingExchange.run_inline(job, description, self.timeout_seconds)
         if self._worker is None:
@@ -234,7 +256,9 @@ class OuterExchange:
             self._coding_pool = coding_pool(min(8, os.cpu_count() or 1))
         return self._coding_pool
 
-    def wire_bytes(self, numel: int, codec: Codec | None = None, shards: int | None = None) -> int:
+    def wire_bytes(
+        self, numel: int, codec: Codec | None = None, shards: int | None = None, workers: int | None = None
+    ) -> int:
         """Cross-worker bytes one rank sends to average a vector of `numel` elements split between `shards` ranks of
         the worker (by default all of its data-parallel ranks; 1 for a rank's own share): the formula `_ExchangeJob`
         counts.
@@ -244,11 +268,12 @@ class OuterExchange:
         """
         codec = codec or self.codec
         shards = self.topology.data_parallel_size if shards is None else shards
-        chunk_numel = _padded_length(numel, self.granularity(codec, shards)) // (shards * self._workers())
+        workers = workers or self._workers()
+        chunk_numel = _padded_length(numel, self.granularity(codec, shards, workers)) // (shards * workers)
         lengths = _LENGTH_BYTES if self.entropy_coding else 0
         if self.pattern == "all_gather":
-            return (self._workers() - 1) * (codec.encoded_nbytes(chunk_numel * self._workers()) + lengths)
-        return 2 * (self._workers() - 1) * (codec.encoded_nbytes(chunk_numel) + lengths)
+            return (workers - 1) * (codec.encoded_nbytes(chunk_numel * workers) + lengths)
+        return 2 * (workers - 1) * (codec.encoded_nbytes(chunk_numel) + lengths)
 
     def codec_named(self, name: str) -> Codec:
         if name == self.codec.name:
@@ -260,11 +285,12 @@ class OuterExchange:
     def _workers(self) -> int:
         return self.topology.num_workers
 
-    def granularity(self, codec: Codec | None = None, shards: int | None = None) -> int:
+    def granularity(self, codec: Codec | None = None, shards: int | None = None, workers: int | None = None) -> int:
         """What a vector split between `shards` ranks of the worker (all of them by default) is padded to a multiple
-        of: every rank's chunk for each worker is a whole number of codec blocks."""
+        of: every rank's chunk for each of the `workers` (the topology's by default) is a whole number of codec
+        blocks."""
         shards = self.topology.data_parallel_size if shards is None else shards
-        return shards * self._workers() * (codec or self.codec).align
+        return shards * (workers or self._workers()) * (codec or self.codec).align
 
 
 class _ExchangeJob:
@@ -275,8 +301,13 @@ class _ExchangeJob:
         compressor: LowRankCompressor | None = None,
         context: dict | None = None,
         layout: ShardLayout | None = None,
+        outer: OuterGroup | None = None,
     ):
         self.exchange = exchange
+        topology = exchange.topology
+        self.outer = outer or OuterGroup(topology.outer_group, topology.worker_index, topology.num_workers)
+        self.counts_contributors = outer is not None
+        self.contributors = self.outer.size
         self.vector = vector
         self.compressor = compressor
         self.context = context or {}
@@ -293,13 +324,17 @@ class _ExchangeJob:
         if ex.delay_seconds is not None:
             time.sleep(ex.delay_seconds())
         self.link_seconds = time.perf_counter() - started
+        if not self.outer.contributes:
+            self.vector = torch.zeros_like(self.vector)
+        if self.counts_contributors:
+            self.contributors = self._count_contributors()
         if self.compressor is not None and self.owned:
             # PowerSGD multiplies whole matrices: the fragment's pseudo-gradient is gathered inside the worker.
             self.vector, self.owned = self._gather_shares(self.vector), False
         clipped = self._clip_outlier() if ex.clip_factor > 0 else False
         if self.compressor is None:
             average, residual = self._average(self.vector, ex.codec, split=not self.owned)
-            return ExchangeResult(average, residual, self.sent, self.intra, clipped)
+            return ExchangeResult(average, residual, self.sent, self.intra, clipped, contributors=self._counted())
         choice = self._decide() if ex.policy is not None else None
         codec = ex.codec_named(choice["compression"]) if choice else ex.codec
         # With data-parallel ranks inside a worker, each rank only knows the quantization residual of its own shard;
@@ -320,7 +355,22 @@ class _ExchangeJob:
         if self.layout is not None and ex.topology.data_parallel_size > 1:
             average_of_all = self.layout.take(average_of_all, ex.topology.dp_index)
             residual = None if residual is None else self.layout.take(residual, ex.topology.dp_index)
-        return ExchangeResult(average_of_all, residual, self.sent, self.intra, clipped, choice=choice)
+        return ExchangeResult(
+            average_of_all, residual, self.sent, self.intra, clipped, choice=choice, contributors=self._counted()
+        )
+
+    def _counted(self) -> int | None:
+        return self.contributors if self.counts_contributors else None
+
+    def _count_contributors(self) -> int:
+        """How many of the round's workers contribute (one int64 all-reduced over the round's group)."""
+        outer = self.outer
+        if outer.size == 1 or outer.group is None:
+            return int(outer.contributes)
+        count = torch.tensor([int(outer.contributes)], dtype=torch.int64)
+        dist.all_reduce(count, group=outer.group)
+        self.sent += (outer.size - 1) * count.nbytes
+        return int(count)
 
     def _gather_shares(self, share: torch.Tensor) -> torch.Tensor:
         """The fragment's whole vector from every data-parallel rank's share (over the worker's fast link)."""
@@ -335,13 +385,13 @@ class _ExchangeJob:
 
     def _clip_outlier(self) -> bool:
         """Robust aggregation: scale this contribution down to clip_factor x the lower median of all workers' norms."""
-        topo = self.exchange.topology
-        if topo.num_workers == 1 or topo.outer_group is None:
+        outer = self.outer
+        if outer.size == 1 or outer.group is None:
             return False
         norm = self._norm().reshape(1)
-        norms = [torch.zeros_like(norm) for _ in range(topo.num_workers)]
-        dist.all_gather(norms, norm, group=topo.outer_group)
-        self.sent += (topo.num_workers - 1) * norm.nbytes
+        norms = [torch.zeros_like(norm) for _ in range(outer.size)]
+        dist.all_gather(norms, norm, group=outer.group)
+        self.sent += (outer.size - 1) * norm.nbytes
         norms_tensor = torch.cat(norms)
         if not bool(torch.isfinite(norms_tensor).all()):
             return False  # a non-finite contribution poisons the average; the engine skips that round everywhere
@@ -368,20 +418,20 @@ class _ExchangeJob:
         ex, topo = self.exchange, self.exchange.topology
         numel = vector.numel()
         shards, index = (topo.data_parallel_size, topo.dp_index) if split else (1, 0)
-        padded_numel = _padded_length(numel, ex.granularity(codec, shards))
+        padded_numel = _padded_length(numel, ex.granularity(codec, shards, self.outer.size))
         padded = vector
         if padded_numel > numel:
             padded = torch.empty(padded_numel, dtype=torch.float32)
             padded[:numel].copy_(vector)
             padded[numel:].zero_()
         my_shard = padded.chunk(shards)[index]
-        if topo.num_workers == 1 or topo.outer_group is None:
+        if self.outer.size == 1 or self.outer.group is None:
             averaged_shard, residual, sent = my_shard.clone(), None, 0
         else:
             started = time.perf_counter()
             averaged_shard, residual, sent = self._average_across_workers(my_shard, codec)
             self.link_seconds += time.perf_counter() - started
-            self.averaged_bound += ex.wire_bytes(numel, codec, shards)
+            self.averaged_bound += ex.wire_bytes(numel, codec, shards, self.outer.size)
             self.averaged_sent += sent
         full, intra = self._gather_inside_worker(averaged_shard) if split else (averaged_shard, 0)
         self.sent, self.intra = self.sent + sent, self.intra + intra
@@ -434,7 +484,7 @@ class _ExchangeJob:
     def _average_across_workers(
         self, shard: torch.Tensor, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        workers = self.exchange.topology.num_workers
+        workers, divisor = self.outer.size, max(1, self.contributors)
         if self.exchange.pattern == "all_gather":
             return self._gather_contributions(shard, codec)
         pool = self.exchange.coding_pool()
@@ -443,7 +493,7 @@ class _ExchangeJob:
         encoded = [codec.encode(chunk, pool) for chunk in chunks]
         residual = self._dropped(shard, encoded, codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all(encoded, codec.encoded_nbytes(chunk_numel))
-        average = codec.decode_sum(received, chunk_numel, pool).div_(workers)
+        average = codec.decode_sum(received, chunk_numel, pool).div_(divisor)
         # The all_gather of the averaged chunks, as an all_to_all that sends the same payload to every worker.
         gathered, sent_back = self._all_to_all(
             [codec.encode(average, pool)] * workers, codec.encoded_nbytes(chunk_numel)
@@ -454,11 +504,11 @@ class _ExchangeJob:
         self, shard: torch.Tensor, codec: Codec
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """`pattern="all_gather"`: every worker's encoded shard to every worker, decoded and summed in worker order."""
-        numel, workers, pool = shard.numel(), self.exchange.topology.num_workers, self.exchange.coding_pool()
+        numel, workers, pool = shard.numel(), self.outer.size, self.exchange.coding_pool()
         encoded = codec.encode(shard, pool)
         residual = self._dropped(shard, [encoded], codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all([encoded] * workers, codec.encoded_nbytes(numel))
-        return codec.decode_sum(received, numel, pool).div_(workers), residual, sent
+        return codec.decode_sum(received, numel, pool).div_(max(1, self.contributors)), residual, sent
 
     def _decoded(self, payloads: list[torch.Tensor], codec: Codec, numel: int) -> torch.Tensor:
         """The payloads of consecutive equal parts of a vector of `numel` values, decoded into one fp32 vector."""
@@ -473,8 +523,8 @@ class _ExchangeJob:
 
     def _all_to_all(self, payloads: list[torch.Tensor], nbytes: int) -> tuple[list[torch.Tensor], int]:
         """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""
-        topo, coding = self.exchange.topology, self.exchange.entropy_coding
-        me = dist.get_rank(group=topo.outer_group)
+        outer, coding = self.outer, self.exchange.entropy_coding
+        me = outer.rank
         pool = self.exchange.coding_pool()
         sizes = arriving = [p.numel() for p in payloads]
         sent = 0
@@ -485,11 +535,11 @@ class _ExchangeJob:
             payloads = [p if j == me else deflated[id(p)] for j, p in enumerate(payloads)]
             sizes = [p.numel() for p in payloads]
             incoming = torch.empty(len(sizes), dtype=torch.int64)
-            dist.all_to_all_single(incoming, torch.tensor(sizes, dtype=torch.int64), group=topo.outer_group)
-            arriving, sent = incoming.tolist(), (topo.num_workers - 1) * _LENGTH_BYTES
+            dist.all_to_all_single(incoming, torch.tensor(sizes, dtype=torch.int64), group=outer.group)
+            arriving, sent = incoming.tolist(), (outer.size - 1) * _LENGTH_BYTES
         received = torch.empty(sum(arriving), dtype=torch.uint8)
         dist.all_to_all_single(
-            received, torch.cat(payloads), output_split_sizes=arriving, input_split_sizes=sizes, group=topo.outer_group
+            received, torch.cat(payloads), output_split_sizes=arriving, input_split_sizes=sizes, group=outer.group
         )
         sent += sum(size for j, size in enumerate(sizes) if j != me)
         parts = list(received.split(arriving))

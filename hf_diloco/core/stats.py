@@ -45,6 +45,10 @@ class EngineStats(Mapping):
         inner_state_resets: parameters whose non-finite inner optimizer state was dropped.
         clipped_contributions: exchanges in which robust aggregation scaled this rank's contribution down.
         pseudo_grad_norm: norm of the last pseudo-gradient this worker sent.
+        workers_in_round, membership_joins, membership_drops, exchange_retries, heals, heal_bytes, heal_seconds:
+            elastic membership only (`elastic.py`): the workers in the last exchange's group, the rises and falls of
+            that number over the run, exchanges retried after a failure, times this worker healed from a live peer
+            and what that cost it.
     """
 
     outer_steps: int = 0
@@ -63,6 +67,13 @@ class EngineStats(Mapping):
     lowrank_rank: int | None = None
     compression_bits: int | None = None
     eager_estimate_weight: float | None = None
+    workers_in_round: int | None = None
+    membership_joins: int | None = None
+    membership_drops: int | None = None
+    exchange_retries: int | None = None
+    heals: int | None = None
+    heal_bytes: int | None = None
+    heal_seconds: float | None = None
     fragment_syncs: dict[int, int] = field(default_factory=dict)
     fragment_bytes_sent: dict[int, int] = field(default_factory=dict)
 

@@ -1,0 +1,315 @@
+"""Elastic workers: every outer exchange runs among the workers alive at that moment.
+
+A `Membership` (the backend: `torchft_membership.TorchftMembership`, a torchft Lighthouse + Manager) forms the
+round's group right before each exchange (`begin_round`), says after it whether every member may apply the result
+(`end_round`), and gives a worker that is behind (started late, restarted, resumed after a hang) the global state of a
+live peer while it forms the group. `ElasticRounds` is the engine's side of it, with these rules:
+
+* **Quorum per exchange.** Each launch (and each tail sync of `close()`) asks for a group of the workers present. A
+  worker that died or hung (past the backend's timeouts) is simply not in it.
+* **Retry the same pseudo-gradient.** When an exchange fails (a member lost with the exchange in flight) or a member
+  cannot commit, every member discards the result, asks for a new group and sends the same Δ again: nothing of the
+  round is lost but the missing worker's share. What was in flight from the lost worker is discarded on every
+  survivor alike, so θg stays identical on every worker.
+* **Join with weight 0.** A worker behind the others loads their state (θg, outer optimizer states, inner step,
+  divergence guard, and which exchange they are about to run), writes θg into its model, and takes part in that
+  exchange sending zeros: the average is taken over the contributors only. Each fragment counts from its next
+  round on (a fragment's round started before the join would carry fewer inner steps). Its error-feedback residuals
+  start at zero; its inner optimizer state is its own (fresh for a new process).
+* **Averages over contributors.** The exchange adds one int64 all-reduce (the number of contributors) to the round.
+
+Elastic rounds need blocking exchanges (`overlap="streaming"`, `sync_delay=0`: DiLoCo and Streaming DiLoCo with any
+number of fragments, any codec, error feedback) and one process per worker; docs/design.md says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import load_merged_optimizer_state, merged_optimizer_state
+from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange
+from .fragment import Fragment, InFlight
+
+if TYPE_CHECKING:
+    from .diloco import DiLoCo
+
+logger = logging.getLogger(__name__)
+
+StateFn = Callable[[], dict]
+LoadFn = Callable[[dict], None]
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """The group one exchange runs in, as this worker sees it.
+
+    Attributes:
+        group: a process group of the members, one rank per worker (None when this worker is alone).
+        rank: this worker's rank in it.
+        size: the number of members.
+        healed: this worker has just loaded a live peer's state (through the `load_state_dict` it was bound to).
+        heal_bytes: bytes received for that state.
+        heal_seconds: seconds the transfer took.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    size: int
+    healed: bool = False
+    heal_bytes: int = 0
+    heal_seconds: float = 0.0
+
+
+class Membership(Protocol):
+    """Who takes part in each exchange. `bind` comes first; then, per exchange, `begin_round`, the exchange over
+    `view.group`, `report_error` if it failed, `end_round`."""
+
+    def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
+        """The global state a worker behind the others receives from a live peer, and how it is loaded."""
+
+    def begin_round(self) -> RoundView:
+        """Form the group for the next exchange (heal this worker first when it is behind)."""
+
+    def report_error(self, error: Exception) -> None:
+        """The exchange failed on this worker: the round must not be committed."""
+
+    def end_round(self) -> bool:
+        """True: apply the exchange's result (every member decides alike); False: discard it and retry."""
+
+    def close(self) -> None:
+        """Leave the job."""
+
+
+class MinWorkersTimeout(RuntimeError):
+    """Fewer than `min_workers` workers could be reached within the configured bound."""
+
+
+@dataclass
+class MembershipLog:
+    """Membership per exchange, for logs, metrics and the model card.
+
+    Attributes:
+        rounds: one entry per exchange this worker completed: inner step, fragment, workers in the group,
+            contributors, retries, whether this worker healed first.
+        heal_bytes, heal_seconds: what healing from peers cost this worker in all.
+    """
+
+    rounds: list[dict] = field(default_factory=list)
+    heal_bytes: int = 0
+    heal_seconds: float = 0.0
+
+    def summary(self) -> dict:
+        """Exchanges, the fewest and most workers in one, joins and drops (rises and falls of the group size
+        between consecutive exchanges), retries, heals and their bytes and seconds."""
+        sizes = [entry["workers"] for entry in self.rounds]
+        changes = [after - before for before, after in zip(sizes, sizes[1:])]
+        return {
+            "exchanges": len(self.rounds),
+            "min_workers": min(sizes, default=0),
+            "max_workers": max(sizes, default=0),
+            "joins": sum(change for change in changes if change > 0),
+            "drops": -sum(change for change in changes if change < 0),
+            "retries": sum(entry["retries"] for entry in self.rounds),
+            "heals": sum(1 for entry in self.rounds if entry["healed"]),
+            "heal_bytes": self.heal_bytes,
+            "heal_seconds": round(self.heal_seconds, 3),
+        }
+
+
+class ElasticRounds:
+    """The engine's exchanges under a `Membership` (see the module docstring for the rules).
+
+    Args:
+        engine: the engine whose fragments and schedule this runs.
+        membership: the backend; bound here to `global_state` / `load_global_state`.
+    """
+
+    def __init__(self, engine: DiLoCo, membership: Membership):
+        self.engine = engine
+        self.membership = membership
+        self.log = MembershipLog()
+        self._phase: tuple[str, int] | None = None  # ("launch" | "tail", fragment) while an exchange is formed
+        self._tails_done: list[int] = []
+        self._contributing = {fragment.index for fragment in engine.fragments}
+        stats = engine.stats
+        stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
+        stats.exchange_retries = stats.heals = stats.heal_bytes = 0
+        stats.heal_seconds = 0.0
+        membership.bind(self.global_state, self.load_global_state)
+
+    # ----------------------------------------------------------------------------------------------- the engine's
+
+    def join(self) -> None:
+        """The first group: every worker's start. A worker behind the others takes their state and then the exchange
+        they are about to run."""
+        while True:
+            view = self._begin()
+            if view.healed and self._phase is not None:
+                self._run(None, None, view)
+                return
+            # Every member waits until the others have healed (a peer serves its state only until it commits), then
+            # commits the join as a round: a worker that starts later is behind, and heals.
+            if self._barrier(view) and self.membership.end_round():
+                return
+
+    def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
+        """Exchange the fragment's pseudo-gradient among the workers present and apply the average."""
+        self._phase = ("launch", fragment.index)
+        self._run(fragment, delta, self._begin())
+
+    def tail(self, fragment: Fragment, delta: torch.Tensor) -> None:
+        """`close()`'s plain-average sync of a fragment's tail, among the workers present."""
+        if fragment.index in self._tails_done:
+            return  # synced while this worker healed into the others' close()
+        self._phase = ("tail", fragment.index)
+        self._run(fragment, delta, self._begin())
+
+    def close(self) -> None:
+        self.membership.close()
+
+    # ----------------------------------------------------------------------------------------------- the state
+
+    def global_state(self) -> dict:
+        """What a worker behind the others receives: identical on every member at a group's formation."""
+        engine = self.engine
+        return {
+            "fingerprint": engine.config.fingerprint(),
+            "inner_step": engine.inner_step,
+            "global": [fragment.theta_g for fragment in engine.fragments],
+            "outer_optimizer": merged_optimizer_state([fragment.outer_optimizer for fragment in engine.fragments]),
+            "divergence_guard": engine.guard.state_dict(),
+            "phase": self._phase,
+            "tails_done": list(self._tails_done),
+        }
+
+    def load_global_state(self, state: dict) -> None:
+        """Take a live peer's `global_state`: θg into the model, this worker's own round discarded."""
+        engine = self.engine
+        if state["fingerprint"] != engine.config.fingerprint():
+            raise ValueError(
+                "A peer runs with different DiLoCo settings (fingerprint "
+                f"{state['fingerprint']} != {engine.config.fingerprint()}); start every worker with the same config."
+            )
+        engine.inner_step = int(state["inner_step"])
+        for fragment, theta_g in zip(engine.fragments, state["global"]):
+            fragment.theta_g.copy_(theta_g)
+            fragment.write_local(fragment.theta_g)
+            fragment.residual = None
+            fragment.flight = None
+        load_merged_optimizer_state([f.outer_optimizer for f in engine.fragments], state["outer_optimizer"])
+        engine.guard.load_state_dict(state["divergence_guard"])
+        self._phase = None if state["phase"] is None else tuple(state["phase"])
+        self._tails_done = list(state["tails_done"])
+        # At step 0 (every worker's start) nothing was trained yet: every fragment's first round counts in full.
+        self._contributing = {f.index for f in engine.fragments} if engine.inner_step == 0 else set()
+
+    # ----------------------------------------------------------------------------------------------- internals
+
+    def _begin(self) -> RoundView:
+        view = self.membership.begin_round()
+        stats = self.engine.stats
+        if stats.workers_in_round:
+            stats.membership_joins += max(0, view.size - stats.workers_in_round)
+            stats.membership_drops += max(0, stats.workers_in_round - view.size)
+        stats.workers_in_round = view.size
+        if view.healed:
+            stats.heals += 1
+            stats.heal_bytes += view.heal_bytes
+            stats.heal_seconds += view.heal_seconds
+            self.log.heal_bytes += view.heal_bytes
+            self.log.heal_seconds += view.heal_seconds
+            logger.warning(
+                "healed from a live peer: %d bytes in %.2f s; continuing at inner step %d",
+                view.heal_bytes,
+                view.heal_seconds,
+                self.engine.inner_step,
+            )
+        return view
+
+    def _run(self, fragment: Fragment | None, delta: torch.Tensor | None, view: RoundView) -> None:
+        """Exchange until the members commit (retrying the same Δ among whoever is left), then apply."""
+        retries, healed = 0, view.healed
+        while True:
+            if view.healed or fragment is None:
+                fragment, delta = self._joining_exchange()
+            final = self._phase[0] == "tail"
+            result = self._attempt(fragment, delta, view, final)
+            if self.membership.end_round() and result is not None:
+                break
+            retries += 1
+            self.engine.stats.exchange_retries += 1
+            logger.warning(
+                "the exchange of fragment %d at inner step %d did not complete among %d workers; retrying with the "
+                "workers present",
+                fragment.index,
+                self.engine.inner_step,
+                view.size,
+            )
+            view = self._begin()
+            healed = healed or view.healed
+        self.log.rounds.append(
+            {
+                "step": self.engine.inner_step,
+                "fragment": fragment.index,
+                "final": final,
+                "workers": view.size,
+                "contributors": result.contributors,
+                "retries": retries,
+                "healed": healed,
+            }
+        )
+        self._apply(fragment, delta, result, final)
+
+    def _barrier(self, view: RoundView) -> bool:
+        if view.group is None or view.size == 1:
+            return True
+        try:
+            dist.all_reduce(torch.zeros(1, dtype=torch.int64), group=view.group)
+        except RuntimeError as error:
+            self.membership.report_error(error)
+            return False
+        self.engine.stats.bytes_sent += (view.size - 1) * 8
+        return True
+
+    def _joining_exchange(self) -> tuple[Fragment, torch.Tensor]:
+        """After a heal: the exchange the others are running, with nothing of this worker's to add."""
+        fragment = self.engine.fragments[self._phase[1]]
+        return fragment, torch.zeros_like(fragment.theta_g)
+
+    def _attempt(self, fragment: Fragment, delta: torch.Tensor, view: RoundView, final: bool) -> ExchangeResult | None:
+        engine = self.engine
+        outer = OuterGroup(view.group, view.rank, view.size, contributes=fragment.index in self._contributing)
+        what = "final outer sync" if final else "outer sync"
+        description = (
+            f"{what} of fragment {fragment.index} at inner step {engine.inner_step} among {view.size} workers"
+        )
+        try:
+            return engine.exchange.launch(
+                delta.cpu(), description, blocking=True, compressor=fragment.compressor, outer=outer
+            ).wait()
+        except OuterSyncError as error:
+            logger.warning("%s", error)
+            self.membership.report_error(error)
+            return None
+
+    def _apply(self, fragment: Fragment, delta: torch.Tensor, result: ExchangeResult, final: bool) -> None:
+        engine = self.engine
+        flight = InFlight(PendingExchange.completed(result), engine.inner_step, sent=delta)
+        self._phase = None
+        self._contributing.add(fragment.index)
+        if final:
+            self._tails_done.append(fragment.index)
+            record = engine.rounds.apply_tail(fragment, flight) if result.contributors else None
+            fragment.write_local(fragment.theta_g)
+            if record is not None:
+                engine.rounds.publish(record)
+        elif result.contributors:
+            engine.overlap.launched(fragment, flight)
+        else:  # every member joined during this round: there is nothing to average
+            fragment.write_local(fragment.theta_g)

@@ -1,0 +1,195 @@
+"""`Membership` through torchft: a Lighthouse forms a quorum for every exchange, a Manager rebuilds the gloo group
+of its members and heals a worker that is behind from a live peer (over HTTP, no shared file system).
+
+Install with `pip install "hf_diloco[elastic]"` (torchft 0.2.0). Start one Lighthouse on a stable host that every
+worker reaches (`torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --bind [::]:29510`); it is the job's
+single point of failure: if it dies, restart the job from its last checkpoint. torchft unpickles the state a worker
+heals from (`weights_only=False`): run workers only where every peer is trusted (a VPN between sites).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.request
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn
+
+logger = logging.getLogger(__name__)
+
+
+class TorchftMembership:
+    """One worker of an elastic job (one process; its `replica_id` names it to the Lighthouse).
+
+    Args:
+        lighthouse: the Lighthouse's address, `http://host:port`.
+        replica_id: a name for this worker, unique in the job (a site or host name; a restarted worker may reuse
+            it).
+        min_workers: an exchange never runs with fewer workers: the worker waits for more to join, asking again
+            every `poll_seconds`, and raises `MinWorkersTimeout` after `min_workers_timeout` seconds.
+        start_workers: the first group waits (with the same bound) for this many workers, so that a job starts with
+            its whole membership instead of healing late starters one by one.
+        min_workers_timeout: the bound of those waits, in seconds.
+        sync_timeout: the bound of one collective, commit or state transfer, in seconds: a member silent for longer
+            is dropped from the exchange (the engine retries among the others).
+        quorum_timeout: the bound of one quorum, in seconds; it must exceed the Lighthouse's `join_timeout_ms` and
+            the time between two exchanges (a worker that joins waits at most that long for the others' next one).
+        connect_timeout: the bound of reaching the Lighthouse and a peer's manager, in seconds.
+        poll_seconds: the pause between two quorums while too few workers are present.
+    """
+
+    def __init__(
+        self,
+        lighthouse: str,
+        replica_id: str,
+        min_workers: int = 1,
+        start_workers: int = 1,
+        min_workers_timeout: float = 300.0,
+        sync_timeout: float = 60.0,
+        quorum_timeout: float = 600.0,
+        connect_timeout: float = 60.0,
+        poll_seconds: float = 1.0,
+    ):
+        if min_workers < 1 or start_workers < 1:
+            raise ValueError(f"min_workers and start_workers must be at least 1; got {min_workers}, {start_workers}.")
+        self.lighthouse, self.replica_id = lighthouse, replica_id
+        self.min_workers, self.min_workers_timeout, self.poll_seconds = min_workers, min_workers_timeout, poll_seconds
+        self._required = max(min_workers, start_workers)
+        self._timeouts = (sync_timeout, quorum_timeout, connect_timeout)
+        self._heal: dict = {}
+        self._load_state_dict: LoadFn | None = None
+        self.manager = None
+        self._pg = None
+        self._store = None
+
+    def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
+        """Join the job: the Manager starts heartbeating to the Lighthouse from here on."""
+        from torchft import Manager, ProcessGroupGloo
+
+        sync_timeout, quorum_timeout, connect_timeout = (timedelta(seconds=s) for s in self._timeouts)
+        self._load_state_dict = load_state_dict
+        # The Manager keeps its own store for the group's rendezvous; one process per worker, so it is private.
+        self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        self._pg = ProcessGroupGloo(timeout=sync_timeout)
+        self.manager = Manager(
+            pg=self._pg,
+            load_state_dict=self._on_heal,
+            state_dict=state_dict,
+            min_replica_size=1,  # min_workers is enforced in begin_round, with a bound and a clear message
+            use_async_quorum=False,  # heal before the exchange: the group's members all hold the same state
+            timeout=sync_timeout,
+            quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout,
+            rank=0,
+            world_size=1,
+            store_addr="localhost",
+            store_port=self._store.port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=self.replica_id,
+            checkpoint_transport=_counting_http_transport(sync_timeout, self._heal),
+        )
+
+    def begin_round(self) -> RoundView:
+        """Form the group of the next exchange; blocks, bounded by `min_workers_timeout`, while fewer than the
+        required workers are present or the group could not be rebuilt (a peer lost meanwhile: asked again)."""
+        deadline = time.monotonic() + self.min_workers_timeout
+        required, self._required = self._required, self.min_workers
+        view = healed = self._quorum()
+        while view.size < required or self._error() is not None:
+            if time.monotonic() > deadline:
+                if self._error() is not None:
+                    raise MinWorkersTimeout(
+                        f"could not form a group of the workers present within "
+                        f"min_workers_timeout={self.min_workers_timeout:g}s: {self._error()}"
+                    )
+                raise MinWorkersTimeout(
+                    f"only {view.size} of the {required} workers required (min_workers={self.min_workers}) joined "
+                    f"within min_workers_timeout={self.min_workers_timeout:g}s; start more workers against the "
+                    f"Lighthouse {self.lighthouse}, or lower min_workers."
+                )
+            logger.warning("%d of %d workers present (%s); asking again", view.size, required, self._error() or "ok")
+            time.sleep(self.poll_seconds)
+            view = self._quorum()
+            healed = view if view.healed else healed
+        if healed.healed and not view.healed:
+            view = RoundView(view.group, view.rank, view.size, True, healed.heal_bytes, healed.heal_seconds)
+        return view
+
+    def report_error(self, error: Exception) -> None:
+        self.manager.report_error(error)
+
+    def end_round(self) -> bool:
+        return self.manager.should_commit()
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    def _quorum(self) -> RoundView:
+        self._heal.clear()
+        # Never shrink_only: a worker resumed after a hang, retrying its own round, would be left out of every
+        # later quorum.
+        self.manager.start_quorum(allow_heal=True, shrink_only=False)
+        rank = self.manager.participating_rank()
+        return RoundView(
+            group=self._pg.parent if self._error() is None else None,
+            rank=-1 if rank is None else rank,
+            size=self.manager.num_participants(),
+            healed="applied" in self._heal,
+            heal_bytes=int(self._heal.get("bytes", 0)),
+            heal_seconds=float(self._heal.get("seconds", 0.0)),
+        )
+
+    def _on_heal(self, state: dict) -> None:
+        self._heal["applied"] = True
+        self._load_state_dict(state)
+
+    def _error(self) -> str | None:
+        error = self.manager.errored()
+        return None if error is None else str(error.original_exception)
+
+
+def _counting_http_transport(timeout: timedelta, sink: dict) -> object:
+    """torchft's HTTP checkpoint transport, recording the bytes and seconds of what this worker receives."""
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing import HTTPTransport
+
+    class CountingHTTPTransport(HTTPTransport):
+        @classmethod
+        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
+            started = time.perf_counter()
+            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                reader = _CountingReader(response)
+                state = _streaming_load(reader, weights_only=False)  # as torchft's own loader does
+            sink["bytes"], sink["seconds"] = reader.count, time.perf_counter() - started
+            return state
+
+    return CountingHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+class _CountingReader:
+    def __init__(self, stream: object):
+        self.stream, self.count = stream, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.stream.read(size)
+        self.count += len(data)
+        return data
+
+    def readinto(self, buffer: memoryview) -> int:
+        count = self.stream.readinto(buffer)
+        self.count += count
+        return count
+
+    def readline(self, size: int = -1) -> bytes:
+        data = self.stream.readline(size)
+        self.count += len(data)
+        return data
+
+
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise

@@ -1,0 +1,127 @@
+"""One elastic worker for tests/test_elastic.py: a tiny Llama trained with SGD under `TorchftMembership`.
+
+    PYTHONPATH=. python tests/scripts/elastic_worker.py --lighthouse http://host:port --slot 0 --out DIR [...]
+
+The worker's data is its slot's batches (`tests.engine_common.batch_for(slot, step)`), at the global inner step: a
+worker that joins continues its slot where the job is. With `--stall_at STEP` the exchange launched at that inner
+step first sleeps `--stall_seconds` (after writing `stalling` to its event log), so that the test can kill or stop
+the worker while the others are inside that exchange; with `--wait_at STEP --wait_file F` it waits before that
+inner step until F exists (the test restarts a worker meanwhile). The event log (DIR/events_<replica>.jsonl) gets a line per
+inner step and per exchange; DIR/final_<replica>.pt holds θg and the membership summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def digest(tensors: list[torch.Tensor]) -> str:
+    hasher = hashlib.sha256()
+    for tensor in tensors:
+        hasher.update(tensor.detach().contiguous().numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lighthouse", required=True)
+    parser.add_argument("--slot", type=int, required=True)
+    parser.add_argument("--replica_id", default=None)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--inner_steps", type=int, default=4)
+    parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--compression", default="none")
+    parser.add_argument("--error_feedback", action="store_true")
+    parser.add_argument("--min_workers", type=int, default=1)
+    parser.add_argument("--start_workers", type=int, default=1)
+    parser.add_argument("--min_workers_timeout", type=float, default=60.0)
+    parser.add_argument("--sync_timeout", type=float, default=10.0)
+    parser.add_argument("--stall_at", type=int, default=0)
+    parser.add_argument("--stall_seconds", type=float, default=0.0)
+    parser.add_argument("--step_seconds", type=float, default=0.0)
+    parser.add_argument("--wait_at", type=int, default=0)
+    parser.add_argument("--wait_file", default=None)
+    cli = parser.parse_args()
+    replica = cli.replica_id or f"worker{cli.slot}"
+    out = Path(cli.out)
+    events = (out / f"events_{replica}.jsonl").open("a")
+
+    def event(**fields: object) -> None:
+        events.write(json.dumps({"time": time.time(), **fields}) + "\n")
+        events.flush()
+
+    from hf_diloco import DiLoCo, DiLoCoConfig
+    from hf_diloco.core.torchft_membership import TorchftMembership
+    from tests.engine_common import inner_step, tiny_model
+
+    model = tiny_model(seed=cli.slot)  # different on purpose: the first group makes every worker start alike
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    config = DiLoCoConfig(
+        inner_steps=cli.inner_steps,
+        num_fragments=cli.fragments,
+        compression=cli.compression,
+        error_feedback=cli.error_feedback,
+        compression_block_size=32,
+        sync_timeout_seconds=cli.sync_timeout,
+    )
+    membership = TorchftMembership(
+        cli.lighthouse,
+        replica,
+        min_workers=cli.min_workers,
+        start_workers=cli.start_workers,
+        min_workers_timeout=cli.min_workers_timeout,
+        sync_timeout=cli.sync_timeout,
+        quorum_timeout=60.0,
+        connect_timeout=20.0,
+        poll_seconds=0.5,
+    )
+    started = time.time()
+    event(kind="starting", step=0)
+    engine = DiLoCo(model, optimizer, config, membership=membership)
+    globals_now = lambda: [f.theta_g for f in engine.fragments]  # noqa: E731
+    event(kind="joined", step=engine.inner_step, theta_g=digest(globals_now()), seconds=time.time() - started,
+          stats=dict(engine.stats))  # fmt: skip
+
+    stalled = []
+
+    def stall() -> float:
+        if cli.stall_at and engine.inner_step == cli.stall_at and not stalled:
+            stalled.append(True)
+            event(kind="stalling", step=engine.inner_step)
+            return cli.stall_seconds
+        return 0.0
+
+    engine.exchange.delay_seconds = stall
+    exchanges = 0
+    while engine.inner_step < cli.steps:
+        if cli.wait_at and engine.inner_step == cli.wait_at:  # until the test has restarted a worker, at most 120 s
+            deadline = time.monotonic() + 120
+            while not Path(cli.wait_file).exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        inner_step(model, optimizer, cli.slot, engine.inner_step)
+        time.sleep(cli.step_seconds)
+        engine.step()
+        event(kind="step", step=engine.inner_step)
+        while exchanges < len(engine.elastic.log.rounds):
+            entry = engine.elastic.log.rounds[exchanges]
+            event(kind="exchange", theta_g=digest(globals_now()), **entry)
+            exchanges += 1
+    engine.close()
+    summary = engine.elastic.log.summary()
+    event(kind="closed", step=engine.inner_step, theta_g=digest(globals_now()), summary=summary)
+    torch.save(
+        {"global": engine.global_parameters(), "summary": summary, "rounds": engine.elastic.log.rounds,
+         "metrics": engine.metrics()},
+        out / f"final_{replica}.pt",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

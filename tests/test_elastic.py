@@ -1,0 +1,189 @@
+"""Elastic workers on real processes: a torchft Lighthouse, three workers (tests/scripts/elastic_worker.py), gloo.
+
+A worker is SIGKILLed (or SIGSTOPped) while the others are inside an exchange; they retry among themselves and
+continue without restart; the worker is restarted (or continued), heals from a live peer at the next exchange and
+the three finish with bitwise-equal θg. The codec-`none` runs are compared with a reference written here in plain
+torch: SGD inner steps on each worker's slot, the mean over the workers that contributed to each round, Nesterov
+outer SGD.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.engine_common import batch_for, tiny_model
+
+os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse in this process logs every quorum otherwise
+
+WORKER = Path(__file__).parent / "scripts" / "elastic_worker.py"
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, H, INNER_LR, OUTER_LR, MOMENTUM = 32, 4, 0.05, 0.7, 0.9
+
+
+class ElasticJob:
+    """A Lighthouse in this process and worker processes against it, each with an event log in `out`."""
+
+    def __init__(self, out: Path, heartbeat_ms: int = 2000, join_timeout_ms: int = 5000):
+        from torchft._torchft import LighthouseServer
+
+        self.out = out
+        self.lighthouse = LighthouseServer(
+            bind="[::]:0", min_replicas=1, join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=heartbeat_ms
+        )
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.started = time.monotonic()
+
+    def start(self, slot: int, *args: str, name: str | None = None) -> subprocess.Popen:
+        name = name or f"worker{slot}"
+        log = (self.out / f"{name}.log").open("ab")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), RUST_LOG="warn", OMP_NUM_THREADS="1")
+        argv = [sys.executable, str(WORKER), "--lighthouse", self.lighthouse.address(), "--slot", str(slot)]
+        argv += ["--out", str(self.out), "--steps", str(STEPS), "--inner_steps", str(H), *args]
+        self.processes[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        return self.processes[name]
+
+    def events(self, replica: str) -> list[dict]:
+        path = self.out / f"events_{replica}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def wait_for(self, replica: str, predicate, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in self.events(replica):
+                if predicate(event):
+                    return event
+            time.sleep(0.1)
+        raise AssertionError(f"{replica} never reached the expected point; its log:\n{self.log(replica)}")
+
+    def finish(self, timeout: float = 180.0) -> dict[str, int]:
+        deadline = time.monotonic() + timeout
+        codes = {}
+        for name, process in self.processes.items():
+            try:
+                codes[name] = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                codes[name] = process.wait()
+        return codes
+
+    def log(self, name: str) -> str:
+        path = self.out / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def final(self, replica: str) -> dict:
+        return torch.load(self.out / f"final_{replica}.pt", weights_only=False)
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.lighthouse.shutdown()
+
+
+@pytest.fixture
+def job(tmp_path):
+    job = ElasticJob(tmp_path)
+    yield job
+    job.close()
+
+
+def exchanges(job: ElasticJob, replica: str) -> dict[int, dict]:
+    return {event["step"]: event for event in job.events(replica) if event["kind"] == "exchange"}
+
+
+def reference(contributors: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+    """θg after STEPS inner steps: every round, each contributing worker trains H SGD steps on its slot from θg; θg
+    takes a Nesterov step with the mean of their pseudo-gradients (in worker order)."""
+    model = tiny_model(seed=0)
+    names = [name for name, _ in model.named_parameters()]
+    theta = {name: p.detach().clone() for name, p in model.named_parameters()}
+    momentum = {name: torch.zeros_like(value) for name, value in theta.items()}
+    for end in range(H, STEPS + 1, H):
+        deltas = []
+        for worker in contributors[end]:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(theta[name])
+            for step in range(end - H, end):
+                model.zero_grad()
+                model(**batch_for(worker, step)).loss.backward()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p -= INNER_LR * p.grad
+            deltas.append({name: theta[name] - p.detach() for name, p in model.named_parameters()})
+        for name in names:
+            total = deltas[0][name].clone()
+            for delta in deltas[1:]:
+                total += delta[name]
+            mean = total / len(deltas)
+            momentum[name] = MOMENTUM * momentum[name] + mean
+            theta[name] = theta[name] - OUTER_LR * (mean + MOMENTUM * momentum[name])
+    return theta
+
+
+def assert_same_global(job: ElasticJob, replicas: list[str]) -> dict[str, torch.Tensor]:
+    finals = {replica: job.final(replica)["global"] for replica in replicas}
+    first = finals[replicas[0]]
+    for replica in replicas[1:]:
+        for name, value in first.items():
+            assert torch.equal(value, finals[replica][name]), f"θg of {replica} differs from {replicas[0]} at {name}"
+    return first
+
+
+def check_lost_and_joined(job: ElasticJob, lost_at: int) -> None:
+    """The round of `lost_at` committed among two after a retry; the worker came back, healed and counts again."""
+    survivor = exchanges(job, "worker0")
+    assert survivor[lost_at]["workers"] == 2 and survivor[lost_at]["contributors"] == 2
+    assert survivor[lost_at]["retries"] >= 1
+    joined = [e for e in job.events("worker2") if e["kind"] == "exchange" and e["healed"]]
+    assert joined, job.log("worker2")
+    join_step = joined[-1]["step"]
+    assert lost_at < join_step < STEPS
+    # Healed, it holds the others' θg before its first inner step, and its first round counts from the next one.
+    assert joined[-1]["theta_g"] == survivor[join_step]["theta_g"]
+    assert survivor[join_step]["workers"] == 3 and survivor[join_step]["contributors"] == 2
+    for step, entry in survivor.items():
+        expected = 3 if step < lost_at or step > join_step else 2
+        assert entry["contributors"] == expected, (step, entry)
+    theta = assert_same_global(job, ["worker0", "worker1", "worker2"])
+    plan = {end: [0, 1, 2] if end < lost_at or end > join_step else [0, 1] for end in range(H, STEPS + 1, H)}
+    expected = reference(plan)
+    for name, value in expected.items():
+        torch.testing.assert_close(theta[name], value, rtol=0, atol=1e-5, msg=name)
+    summary = job.final("worker2")["summary"]
+    assert summary["heals"] >= 1 and summary["heal_bytes"] > 0
+    assert job.final("worker0")["summary"]["drops"] >= 1 and job.final("worker0")["summary"]["joins"] >= 1
+
+
+def test_a_killed_worker_is_dropped_mid_exchange_and_rejoins(job):
+    """SIGKILL with the exchange in flight: the two others retry among themselves and go on; restarted, the worker
+    heals from a live peer at the next exchange and the three finish with the same θg as the reference."""
+    lost_at, go = 12, job.out / "restarted"
+    survivor_args = ["--start_workers", "3", "--wait_at", str(lost_at + H + 2), "--wait_file", str(go)]
+    job.start(0, *survivor_args)
+    job.start(1, *survivor_args)
+    victim = job.start(2, "--start_workers", "3", "--stall_at", str(lost_at), "--stall_seconds", "60")
+    job.wait_for("worker2", lambda e: e["kind"] == "stalling")
+    time.sleep(0.5)  # the others are inside the exchange now, waiting for this worker
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
+    restarted = time.time()
+    job.start(2, "--min_workers", "2")  # the same replica name and slot, a new process
+    job.wait_for("worker2", lambda e: e["kind"] == "starting" and e["time"] > restarted, timeout=120)
+    go.touch()
+    codes = job.finish()
+    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
+    check_lost_and_joined(job, lost_at)
