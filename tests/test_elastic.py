@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,3 +188,104 @@ def test_a_killed_worker_is_dropped_mid_exchange_and_rejoins(job):
     codes = job.finish()
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
     check_lost_and_joined(job, lost_at)
+
+
+def test_a_stopped_worker_is_dropped_after_the_timeout_and_rejoins(job):
+    """SIGSTOP with the exchange in flight: the others give up on it after sync_timeout, retry among themselves and
+    go on; continued, its own exchange fails, it heals from a live peer and the three finish alike."""
+    lost_at, go = 12, job.out / "continued"
+    common = ["--start_workers", "3", "--sync_timeout", "4"]
+    survivor_args = [*common, "--wait_at", str(lost_at + H + 2), "--wait_file", str(go)]
+    job.start(0, *survivor_args)
+    job.start(1, *survivor_args)
+    victim = job.start(2, *common, "--stall_at", str(lost_at), "--stall_seconds", "3")
+    job.wait_for("worker2", lambda e: e["kind"] == "stalling")
+    time.sleep(0.5)
+    victim.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
+    dropped_after = time.monotonic() - stopped
+    victim.send_signal(signal.SIGCONT)
+    go.touch()
+    codes = job.finish()
+    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
+    assert 3.5 < dropped_after < 30, dropped_after  # the collective's bound (4 s), then a quorum without it
+    check_lost_and_joined(job, lost_at)
+
+
+def test_fewer_workers_than_min_workers_stop_after_the_bound(job):
+    """min_workers=3 and one lost: the two others wait for a third, then stop with a message naming the bound."""
+    lost_at = 8
+    common = ["--start_workers", "3", "--min_workers", "3", "--min_workers_timeout", "6"]
+    job.start(0, *common)
+    job.start(1, *common)
+    victim = job.start(2, *common, "--stall_at", str(lost_at), "--stall_seconds", "60")
+    job.wait_for("worker2", lambda e: e["kind"] == "stalling")
+    time.sleep(0.5)
+    victim.kill()
+    killed = time.monotonic()
+    codes = job.finish(timeout=60)
+    waited = time.monotonic() - killed
+    assert codes["worker0"] != 0 and codes["worker1"] != 0
+    for name in ("worker0", "worker1"):
+        log = job.log(name)
+        # Waiting apart, the two may meet in one group or each find itself alone: either way below the minimum.
+        assert re.search(r"MinWorkersTimeout: only [12] of the 3 workers required \(min_workers=3\)", log), log
+        assert "min_workers_timeout=6s" in log
+        assert not any(e["kind"] == "exchange" and e["step"] >= lost_at for e in job.events(name))
+    assert 6 < waited < 40, waited
+
+
+def test_a_lossy_codec_with_fragments_under_a_drop_and_a_join(job):
+    """fp4 with error feedback and two streaming fragments: a worker lost in fragment 1's exchange and restarted;
+    every worker ends with the same θg and the membership counters say what happened."""
+    lost_at, go = 12, job.out / "restarted"
+    codec = ["--compression", "fp4", "--error_feedback", "--fragments", "2"]
+    survivor_args = [*codec, "--start_workers", "3", "--wait_at", str(lost_at + 3), "--wait_file", str(go)]
+    job.start(0, *survivor_args)
+    job.start(1, *survivor_args)
+    victim = job.start(2, *codec, "--start_workers", "3", "--stall_at", str(lost_at), "--stall_seconds", "60")
+    job.wait_for("worker2", lambda e: e["kind"] == "stalling")
+    time.sleep(0.5)
+    victim.kill()
+    victim.wait()
+    job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
+    restarted = time.time()
+    job.start(2, *codec, "--min_workers", "2")
+    job.wait_for("worker2", lambda e: e["kind"] == "starting" and e["time"] > restarted, timeout=120)
+    go.touch()
+    codes = job.finish()
+    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
+    theta = assert_same_global(job, ["worker0", "worker1", "worker2"])
+    assert all(bool(torch.isfinite(value).all()) for value in theta.values())
+    survivor = exchanges(job, "worker0")
+    assert survivor[lost_at]["fragment"] == 1 and survivor[lost_at]["workers"] == 2
+    joined = [e for e in job.events("worker2") if e["kind"] == "exchange" and e["healed"]][-1]
+    later = [entry for step, entry in survivor.items() if step > joined["step"] + 2]
+    assert later and all(entry["contributors"] == 3 for entry in later)
+    metrics = job.final("worker0")["metrics"]
+    assert metrics["diloco/workers_in_round"] == 3 and metrics["diloco/exchange_retries"] >= 1
+    assert metrics["diloco/membership_drops"] >= 1 and metrics["diloco/membership_joins"] >= 1
+    assert job.final("worker2")["metrics"]["diloco/heal_bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(overlap="eager"), "overlap='eager'"),
+        (dict(sync_delay=2), "sync_delay=2"),
+        (dict(overlap="delayed"), "overlap='delayed'"),
+        (dict(data_parallel_per_worker=2), "more than one process per worker"),
+        (dict(robust_clip_factor=3.0), "robust_clip_factor"),
+    ],
+)
+def test_what_elastic_membership_does_not_run_is_refused_before_it_joins(settings, named):
+    from hf_diloco import DiLoCo, DiLoCoConfig
+    from hf_diloco.core.torchft_membership import TorchftMembership
+
+    membership = TorchftMembership("http://127.0.0.1:1", "worker0")  # never contacted: refused before joining
+    model = tiny_model()
+    with pytest.raises(ValueError, match="Elastic membership") as error:
+        DiLoCo(model, None, DiLoCoConfig(inner_steps=4, **settings), membership=membership)
+    assert named in str(error.value)
+    assert membership.manager is None
