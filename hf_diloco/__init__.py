@@ -12,6 +12,8 @@ __all__ = [
     "DiLoCoTrainer",
     "DiLoCoTrainingArguments",
     "DiLoCoPlugin",
+    "TorchftMembership",
+    "MinWorkersTimeout",
 ]
 
 _LAZY = {
@@ -19,6 +21,8 @@ _LAZY = {
     "DiLoCoTrainingArguments": ("integrations.trainer", "DiLoCoTrainingArguments"),
     "DiLoCoPlugin": ("integrations.accelerate_plugin", "DiLoCoPlugin"),
     "worker_mesh": ("parallel.fsdp", "worker_mesh"),
+    "TorchftMembership": ("core.torchft_membership", "TorchftMembership"),
+    "MinWorkersTimeout": ("core.elastic", "MinWorkersTimeout"),
 }
 
 

@@ -1,0 +1,41 @@
+"""Run README.md's elastic block (the python fence after the `elastic-snippet` marker) exactly as it is written, as
+one site of a job, with a tiny random Llama and SGD, random token batches per site; then save θg and the membership
+summary for tests/test_readme_elastic.py.
+
+    python tests/scripts/readme_elastic_snippet.py LIGHTHOUSE SITE SLOT OUT
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.engine_common import batch_for, tiny_model
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+MARKER = "<!-- elastic-snippet -->"
+
+
+def readme_snippet() -> str:
+    after_marker = README.read_text().split(MARKER, 1)[1]
+    return after_marker.split("```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def main() -> None:
+    lighthouse, site, slot, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    model = tiny_model(seed=slot)
+    names = {
+        "lighthouse": lighthouse,
+        "site": site,
+        "model": model,
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
+        "total_steps": 300,
+        "batch_at": lambda step: batch_for(slot, step),
+    }
+    exec(compile(readme_snippet(), str(README), "exec"), names)
+    engine = names["engine"]
+    torch.save({"global": engine.global_parameters(), "summary": engine.elastic.log.summary()}, out / f"{site}.pt")
+
+
+if __name__ == "__main__":
+    main()
