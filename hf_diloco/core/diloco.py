@@ -349,8 +349,6 @@ class _StepTimer:
 def check_elastic_supported(config: DiLoCoConfig, topology: Topology | None) -> None:
     """Refuse, before anything starts, what elastic membership does not run (docs/design.md says why)."""
     refused = []
-    if config.overlap != "streaming" or config.sync_delay:
-        refused.append(f"overlap={config.overlap!r} with sync_delay={config.sync_delay} (use streaming, sync_delay 0)")
     if config.pipeline_stages > 1 or config.data_parallel_per_worker > 1:
         refused.append("more than one process per worker (pipeline_stages and data_parallel_per_worker must be 1)")
     if topology is not None and (topology.num_workers > 1 or topology.layout.worker_size > 1):
@@ -361,7 +359,7 @@ def check_elastic_supported(config: DiLoCoConfig, topology: Topology | None) -> 
         refused.append("robust_clip_factor (a joining worker's zeros would lower the median)")
     if refused:
         raise ValueError(
-            "Elastic membership runs blocking exchanges among single-process workers; not supported: "
+            "Elastic membership runs among single-process workers; not supported: "
             + "; ".join(refused)
             + ". Change these settings, or run without elastic membership."
         )

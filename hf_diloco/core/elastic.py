@@ -18,8 +18,11 @@ live peer while it forms the group. `ElasticRounds` is the engine's side of it, 
   start at zero; its inner optimizer state is its own (fresh for a new process).
 * **Averages over contributors.** The exchange adds one int64 all-reduce (the number of contributors) to the round.
 
-Elastic rounds need blocking exchanges (`overlap="streaming"`, `sync_delay=0`: DiLoCo and Streaming DiLoCo with any
-number of fragments, any codec, error feedback) and one process per worker; docs/design.md says why.
+Every exchange runs inline, at its launch: the overlap mode's rule (streaming with τ > 0, delayed, eager) decides when
+its average is applied, as without elastic membership, but the communication itself is not overlapped with compute.
+Between two groups nothing is in flight, so a group can be formed and a state served at any launch; a worker that
+heals receives the averages the others have completed and not applied yet, and applies them at the same steps.
+One process per worker; docs/design.md says why.
 """
 
 from __future__ import annotations
@@ -184,6 +187,15 @@ class ElasticRounds:
             "global": [fragment.theta_g for fragment in engine.fragments],
             "outer_optimizer": merged_optimizer_state([fragment.outer_optimizer for fragment in engine.fragments]),
             "divergence_guard": engine.guard.state_dict(),
+            "flights": {
+                fragment.index: {
+                    "apply_at": fragment.flight.apply_at,
+                    "average": fragment.flight.pending.wait().average,
+                    "contributors": fragment.flight.pending.wait().contributors,
+                }
+                for fragment in engine.fragments
+                if fragment.flight is not None
+            },
             "phase": self._phase,
             "tails_done": list(self._tails_done),
         }
@@ -203,6 +215,15 @@ class ElasticRounds:
             fragment.residual = None
             fragment.flight = None
         load_merged_optimizer_state([f.outer_optimizer for f in engine.fragments], state["outer_optimizer"])
+        for fragment in engine.fragments:
+            if fragment.trajectory is not None:  # eager: this worker's own start point restarts from θg
+                fragment.trajectory.restart_from(fragment)
+        for index, flight in state["flights"].items():
+            # A completed exchange the others apply later (τ > 0, delayed, eager): this worker sent nothing in it.
+            fragment = engine.fragments[int(index)]
+            result = ExchangeResult(flight["average"], None, 0, 0, contributors=flight["contributors"])
+            zeros = torch.zeros_like(fragment.theta_g)
+            fragment.flight = InFlight(PendingExchange.completed(result), flight["apply_at"], sent=zeros)
         engine.guard.load_state_dict(state["divergence_guard"])
         self._phase = None if state["phase"] is None else tuple(state["phase"])
         self._tails_done = list(state["tails_done"])
@@ -309,7 +330,11 @@ class ElasticRounds:
             fragment.write_local(fragment.theta_g)
             if record is not None:
                 engine.rounds.publish(record)
-        elif result.contributors:
+        elif result.contributors or engine.overlap.saves_sent:
+            # Applied now (sync_delay 0) or later by the overlap mode's rule, as without elastic membership; a
+            # delayed or eager round whose members all joined during it applies a zero average.
+            flight.apply_at = engine.inner_step + engine.overlap.apply_delay
+            engine.overlap.workers = engine.rounds.workers = max(1, result.contributors)  # M: the workers averaged
             engine.overlap.launched(fragment, flight)
         else:  # every member joined during this round: there is nothing to average
             fragment.write_local(fragment.theta_g)

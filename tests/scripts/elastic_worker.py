@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--inner_steps", type=int, default=4)
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--compression", default="none")
+    parser.add_argument("--overlap", default="streaming")
+    parser.add_argument("--sync_delay", type=int, default=0)
     parser.add_argument("--error_feedback", action="store_true")
     parser.add_argument("--min_workers", type=int, default=1)
     parser.add_argument("--start_workers", type=int, default=1)
@@ -67,6 +69,8 @@ def main() -> None:
         inner_steps=cli.inner_steps,
         num_fragments=cli.fragments,
         compression=cli.compression,
+        overlap=cli.overlap,
+        sync_delay=cli.sync_delay,
         error_feedback=cli.error_feedback,
         compression_block_size=32,
         sync_timeout_seconds=cli.sync_timeout,
