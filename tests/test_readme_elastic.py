@@ -45,7 +45,7 @@ def test_the_readme_elastic_snippet_trains_two_sites(tmp_path):
         assert torch.equal(value, b["global"][name]), name
     # Both ran every one of the 3 rounds of 100 steps with both sites, from one start (min_workers=2).
     for result in (a, b):
-        assert result["summary"]["exchanges"] == 3 and result["summary"]["min_workers"] == 2
+        assert result["summary"]["exchanges"] == 3 and result["summary"]["fewest_workers"] == 2
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out-site-a")
     for name, value in saved.state_dict().items():
         if name in a["global"]:

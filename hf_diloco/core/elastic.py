@@ -114,8 +114,8 @@ class MembershipLog:
         changes = [after - before for before, after in zip(sizes, sizes[1:])]
         return {
             "exchanges": len(self.rounds),
-            "min_workers": min(sizes, default=0),
-            "max_workers": max(sizes, default=0),
+            "fewest_workers": min(sizes, default=0),
+            "most_workers": max(sizes, default=0),
             "joins": sum(change for change in changes if change > 0),
             "drops": -sum(change for change in changes if change < 0),
             "retries": sum(entry["retries"] for entry in self.rounds),
