@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import urllib.request
 from datetime import timedelta
@@ -40,6 +41,8 @@ class TorchftMembership:
             the time between two exchanges (a worker that joins waits at most that long for the others' next one).
         connect_timeout: the bound of reaching the Lighthouse and a peer's manager, in seconds.
         poll_seconds: the pause between two quorums while too few workers are present.
+        host: the name or address the other workers reach this one at (its group's rendezvous store is announced
+            under it); by default this machine's host name, which must resolve to a reachable address at every site.
     """
 
     def __init__(
@@ -53,6 +56,7 @@ class TorchftMembership:
         quorum_timeout: float = 600.0,
         connect_timeout: float = 60.0,
         poll_seconds: float = 1.0,
+        host: str | None = None,
     ):
         if min_workers < 1 or start_workers < 1:
             raise ValueError(f"min_workers and start_workers must be at least 1; got {min_workers}, {start_workers}.")
@@ -60,6 +64,7 @@ class TorchftMembership:
         self.min_workers, self.min_workers_timeout, self.poll_seconds = min_workers, min_workers_timeout, poll_seconds
         self._required = max(min_workers, start_workers)
         self._timeouts = (sync_timeout, quorum_timeout, connect_timeout)
+        self.host = host or socket.gethostname()
         self._heal: dict = {}
         self._load_state_dict: LoadFn | None = None
         self.manager = None
@@ -72,8 +77,9 @@ class TorchftMembership:
 
         sync_timeout, quorum_timeout, connect_timeout = (timedelta(seconds=s) for s in self._timeouts)
         self._load_state_dict = load_state_dict
-        # The Manager keeps its own store for the group's rendezvous; one process per worker, so it is private.
-        self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        # The worker's own store (one process per worker): the Lighthouse announces it to the other workers as the
+        # rendezvous of the groups this worker leads, under `host`; it listens on every interface.
+        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         self._pg = ProcessGroupGloo(timeout=sync_timeout)
         self.manager = Manager(
             pg=self._pg,
@@ -86,7 +92,7 @@ class TorchftMembership:
             connect_timeout=connect_timeout,
             rank=0,
             world_size=1,
-            store_addr="localhost",
+            store_addr=self.host,
             store_port=self._store.port,
             lighthouse_addr=self.lighthouse,
             replica_id=self.replica_id,
@@ -99,12 +105,14 @@ class TorchftMembership:
         deadline = time.monotonic() + self.min_workers_timeout
         required, self._required = self._required, self.min_workers
         view = healed = self._quorum()
-        while view.size < required or self._error() is not None:
+        while view.size < required or self._error() is not None or (view.group is None and view.size > 1):
             if time.monotonic() > deadline:
-                if self._error() is not None:
+                if view.size >= required:
                     raise MinWorkersTimeout(
-                        f"could not form a group of the workers present within "
-                        f"min_workers_timeout={self.min_workers_timeout:g}s: {self._error()}"
+                        f"could not form a group of the {view.size} workers present within "
+                        f"min_workers_timeout={self.min_workers_timeout:g}s: {self._error() or 'no group was built'}. "
+                        f"Every worker must reach the others under their host names (this one is {self.host!r}; "
+                        "set `host` to an address the others reach)."
                     )
                 raise MinWorkersTimeout(
                     f"only {view.size} of the {required} workers required (min_workers={self.min_workers}) joined "
@@ -137,13 +145,22 @@ class TorchftMembership:
         self.manager.start_quorum(allow_heal=True, shrink_only=False)
         rank = self.manager.participating_rank()
         return RoundView(
-            group=self._pg.parent if self._error() is None else None,
+            group=self._group(),
             rank=-1 if rank is None else rank,
             size=self.manager.num_participants(),
             healed="applied" in self._heal,
             heal_bytes=int(self._heal.get("bytes", 0)),
             heal_seconds=float(self._heal.get("seconds", 0.0)),
         )
+
+    def _group(self) -> dist.ProcessGroup | None:
+        """The quorum's gloo group, None when it could not be built (asked again by `begin_round`)."""
+        if self._error() is not None:
+            return None
+        try:
+            return self._pg.parent
+        except AssertionError:  # torchft: "process group not initialized" after a failed configure
+            return None
 
     def _on_heal(self, state: dict) -> None:
         self._heal["applied"] = True
