@@ -2,10 +2,11 @@
 
     python -m benchmarks.elastic_outage --rate_mbit 20
 
-Three workers (one process each) train the same small Llama with DiLoCo (`--inner_steps` H per round, fp4 with
-error feedback), each on its own network namespace joined to the others by a bridge, each namespace's upload limited
-to `--rate_mbit` with `tc ... tbf` (`--network loopback`: one host, no limit). Worker 2 sleeps before the exchange
-of inner step `--kill_at` and is SIGKILLed while the two others are inside it. Two runs, one after the other:
+Three workers (one process each) train the default Llama of `scripts/pretrain.py` with `--layers` blocks, with
+DiLoCo (`--inner_steps` H per round, fp4 with error feedback), each in a network namespace of its own, joined to the
+others by a bridge, each namespace's upload limited to `--rate_mbit` with `tc ... tbf` (`--network loopback`: one
+host, no limit). Worker 2 sleeps before the exchange of inner step `--kill_at` and is SIGKILLed while the two others
+are inside it. Two runs, one after the other:
 
 1. **elastic**: `TorchftMembership` against a Lighthouse in this process. The survivors retry the exchange among
    themselves and keep training; after `--restart_after` more rounds worker 2 is started again, heals from a live
@@ -189,21 +190,14 @@ class Loopback:
 # ----------------------------------------------------------------------------------------------- the worker
 
 
-def build_model(seed: int, hidden: int, layers: int, vocab: int, sequence: int) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_model(seed: int, layers: int, vocab: int, sequence: int) -> torch.nn.Module:
+    """The default model of `scripts/pretrain.py` with `layers` blocks, randomly initialised from `seed`."""
+    from hf_diloco.modeling import DEFAULT_MODEL_CONFIG
+    from hf_diloco.modeling import build_model as build_from_spec
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=3 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=sequence,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    config = dict(DEFAULT_MODEL_CONFIG, num_hidden_layers=layers)
+    config["max_position_embeddings"] = max(sequence, config["max_position_embeddings"])
+    return build_from_spec({"config": config}, vocab, seed=seed)
 
 
 def batch_for(slot: int, step: int, batch: int, sequence: int, vocab: int) -> dict[str, torch.Tensor]:
@@ -231,7 +225,7 @@ def worker_main(cli: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     out = Path(cli.out)
     event = EventLog(out / f"events_{cli.run}_{cli.attempt}_{cli.slot}.jsonl")
-    model = build_model(cli.slot, cli.hidden, cli.layers, cli.vocab, cli.sequence)
+    model = build_model(cli.slot, cli.layers, cli.vocab, cli.sequence)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = DiLoCoConfig(
         inner_steps=cli.inner_steps,
@@ -665,7 +659,8 @@ def caption_for(args: argparse.Namespace, parameters: int) -> str:
         else "loopback, no rate limit"
     )
     return (
-        f"3 workers, one process each ({parameters / 1e6:.2f} M-parameter Llama, {args.batch}x{args.sequence} tokens "
+        f"3 workers, one process each ({parameters / 1e6:.2f} M-parameter Llama: the pretrain default with "
+        f"{args.layers} blocks; {args.batch}x{args.sequence} tokens "
         f"per inner step, H = {args.inner_steps}, codec {args.compression}, {args.steps} inner steps), {link}, "
         f"sharing one machine's CPU cores. Worker 2 is SIGKILLed with the exchange of inner step {args.kill_at} in "
         f"flight; elastic: restarted after {args.restart_after} more rounds; restart: every worker restarted at once "
@@ -698,7 +693,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--heartbeat_timeout", type=float, default=5.0, help="Lighthouse: silence after which a worker is dead."
     )
-    parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--sequence", type=int, default=128)
@@ -737,7 +731,7 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min_workers", type=int, default=1)
     parser.add_argument("--stall_at", type=int, default=0)
     parser.add_argument("--checkpoint_every", type=int, default=0)
-    for name in ("steps", "inner_steps", "hidden", "layers", "vocab", "sequence", "batch"):
+    for name in ("steps", "inner_steps", "layers", "vocab", "sequence", "batch"):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--compression", required=True)
     parser.add_argument("--sync_timeout", type=float, required=True)
@@ -753,10 +747,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     common = [f"--{name}={getattr(args, name)}" for name in
-              ("steps", "inner_steps", "hidden", "layers", "vocab", "sequence", "batch", "compression", "sync_timeout")]  # fmt: skip
-    parameters = sum(
-        p.numel() for p in build_model(0, args.hidden, args.layers, args.vocab, args.sequence).parameters()
-    )
+              ("steps", "inner_steps", "layers", "vocab", "sequence", "batch", "compression", "sync_timeout")]  # fmt: skip
+    parameters = sum(p.numel() for p in build_model(0, args.layers, args.vocab, args.sequence).parameters())
     if args.network == "netns":
         cleanup_stale_stars()
         network = Star(WORKERS, args.rate_mbit).create()
