@@ -470,7 +470,14 @@ def run_elastic(network: Star | Loopback, args: argparse.Namespace, out: Path, c
         rejoin_after = args.kill_at + args.restart_after * args.inner_steps
         job.wait_for("elastic", 0, 0, lambda e: e["kind"] == "exchange" and e["step"] == rejoin_after, "its exchange")
         job.start("elastic", 1, VICTIM, "--min_workers", "2")
-        codes = job.finish(0) | {VICTIM: job.finish(1)[VICTIM]}
+        codes = job.finish(0)
+        if not any(e["kind"] == "training" for e in job.events("elastic", 1, VICTIM)):
+            job.kill(1, VICTIM)
+            raise RuntimeError(
+                f"the survivors finished all {args.steps} inner steps before the restarted worker {VICTIM} joined: "
+                f"raise --steps (or lower --restart_after); logs in {out}"
+            )
+        codes[VICTIM] = job.finish(1)[VICTIM]
         check_exit_codes("elastic", 0, codes, out)
         survivors = [job.events("elastic", 0, slot) for slot in range(WORKERS) if slot != VICTIM]
         return elastic_figures(survivors, job.events("elastic", 1, VICTIM), killed, job.started[1, VICTIM], args)
