@@ -99,7 +99,7 @@ class Star:
         return self
 
     def _build(self) -> None:
-        run = netns._run
+        run = netns.run_command
         run("ip", "link", "add", self.bridge, "type", "bridge")
         run("ip", "addr", "add", f"{SUBNET}.254/24", "dev", self.bridge)
         run("ip", "link", "set", self.bridge, "up")
@@ -146,15 +146,15 @@ def destroy_star(pid: int) -> list[str]:
     removed = []
     for namespace in netns.list_namespaces():
         if namespace.startswith(f"{NAMESPACE_PREFIX}{pid}-"):
-            netns._run("ip", "netns", "del", namespace, check=False)
+            netns.run_command("ip", "netns", "del", namespace, check=False)
             removed.append(namespace)
     for folder in Path("/etc/netns").glob(f"{NAMESPACE_PREFIX}{pid}-*"):
         shutil.rmtree(folder, ignore_errors=True)
-    links = netns._run("ip", "-o", "link", "show").stdout
+    links = netns.run_command("ip", "-o", "link", "show").stdout
     for line in links.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         if name.startswith(f"hfo{pid}"):
-            netns._run("ip", "link", "del", name, check=False)
+            netns.run_command("ip", "link", "del", name, check=False)
             removed.append(name)
     return removed
 
@@ -166,7 +166,7 @@ def cleanup_stale_stars() -> list[str]:
     names += [path.name for path in Path("/etc/netns").glob(f"{NAMESPACE_PREFIX}*")]
     owners = {name[len(NAMESPACE_PREFIX) :].split("-")[0] for name in names}
     for owner in owners:
-        if owner.isdigit() and not netns._pid_alive(int(owner)):
+        if owner.isdigit() and not netns.pid_alive(int(owner)):
             removed += destroy_star(int(owner))
     return removed
 
@@ -258,11 +258,8 @@ def worker_main(cli: argparse.Namespace) -> None:
 
 
 def elastic_membership(cli: argparse.Namespace) -> object:
-    import torchft
-
     from hf_diloco.core.torchft_membership import TorchftMembership
 
-    advertise_store_by_host_name(torchft)
     return TorchftMembership(
         cli.lighthouse,
         f"worker{cli.slot}",
@@ -274,20 +271,6 @@ def elastic_membership(cli: argparse.Namespace) -> object:
         connect_timeout=30.0,
         poll_seconds=0.5,
     )
-
-
-def advertise_store_by_host_name(torchft: object) -> None:
-    """`TorchftMembership` gives its Manager the store address `localhost`, which the Lighthouse hands to every peer
-    as the group's rendezvous: right only while every worker shares one host. Here each worker is a host of its own,
-    so its Manager advertises this worker's host name instead (the store listens on every interface)."""
-    manager_class = torchft.Manager
-
-    def manager(*args: object, **kwargs: object) -> object:
-        if kwargs.get("store_addr") == "localhost":
-            kwargs["store_addr"] = socket.gethostname()
-        return manager_class(*args, **kwargs)
-
-    torchft.Manager = manager
 
 
 def fixed_group_engine(cli: argparse.Namespace, model: torch.nn.Module, optimizer: object, config: object) -> object:

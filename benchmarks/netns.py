@@ -53,7 +53,7 @@ def require_tools() -> None:
         raise NetnsError(f"`ip netns list` failed, network namespaces are unavailable: {probe.stderr.strip()}")
 
 
-def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
+def run_command(*command: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(list(command), capture_output=True, text=True)
     if check and result.returncode != 0:
         raise NetnsError(f"`{' '.join(command)}` failed ({result.returncode}): {result.stderr.strip()}")
@@ -62,7 +62,7 @@ def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def list_namespaces() -> list[str]:
     """Names of the network namespaces that exist now (`ip netns list`)."""
-    out = _run("ip", "netns", "list").stdout
+    out = run_command("ip", "netns", "list").stdout
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
@@ -108,21 +108,23 @@ class SlowLink:
 
     def _build(self) -> None:
         for namespace in self.namespaces:
-            _run("ip", "netns", "add", namespace)
-        _run("ip", "link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
+            run_command("ip", "netns", "add", namespace)
+        run_command("ip", "link", "add", self.devices[0], "type", "veth", "peer", "name", self.devices[1])
         for namespace, device, address in zip(self.namespaces, self.devices, self.addresses):
-            _run("ip", "link", "set", device, "netns", namespace)
-            _run("ip", "-n", namespace, "addr", "add", f"{address}/{PREFIX_LENGTH}", "dev", device)
-            _run("ip", "-n", namespace, "link", "set", device, "up")
-            _run("ip", "-n", namespace, "link", "set", "lo", "up")
+            run_command("ip", "link", "set", device, "netns", namespace)
+            run_command("ip", "-n", namespace, "addr", "add", f"{address}/{PREFIX_LENGTH}", "dev", device)
+            run_command("ip", "-n", namespace, "link", "set", device, "up")
+            run_command("ip", "-n", namespace, "link", "set", "lo", "up")
 
     def set_rate(self, rate_mbit: float | None) -> None:
         """Limit both directions to `rate_mbit` Mbit/s (each end shapes what it sends); None removes the limit."""
         for namespace, device in zip(self.namespaces, self.devices):
             if rate_mbit is None:
-                _run("tc", "-n", namespace, "qdisc", "del", "dev", device, "root", check=False)
+                run_command("tc", "-n", namespace, "qdisc", "del", "dev", device, "root", check=False)
             else:
-                _run("tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf_arguments(rate_mbit))
+                run_command(
+                    "tc", "-n", namespace, "qdisc", "replace", "dev", device, "root", *tbf_arguments(rate_mbit)
+                )
         self.rate_mbit = rate_mbit
 
     def exec_prefix(self, end: int) -> list[str]:
@@ -131,15 +133,15 @@ class SlowLink:
 
     def device_bytes(self, end: int) -> tuple[int, int]:
         """(received, transmitted) bytes counted by the veth end `end`, read from `/proc/net/dev` in its namespace."""
-        out = _run(*self.exec_prefix(end), "cat", "/proc/net/dev").stdout
+        out = run_command(*self.exec_prefix(end), "cat", "/proc/net/dev").stdout
         return parse_proc_net_dev(out, self.devices[end])
 
     def destroy(self) -> None:
         """Remove both namespaces (which removes the veth pair); safe to call twice and after a partial create."""
         for namespace in self.namespaces:
-            _run("ip", "netns", "del", namespace, check=False)
+            run_command("ip", "netns", "del", namespace, check=False)
         # A veth created but not yet moved into a namespace is still in the root namespace.
-        _run("ip", "link", "del", self.devices[0], check=False)
+        run_command("ip", "link", "del", self.devices[0], check=False)
         self.destroyed = True
 
 
@@ -153,7 +155,7 @@ def parse_proc_net_dev(text: str, device: str) -> tuple[int, int]:
     raise NetnsError(f"device {device} not found in /proc/net/dev")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -172,14 +174,14 @@ def cleanup_stale(include_live: bool = False) -> list[str]:
     removed = []
     for namespace in list_namespaces():
         match = _NAMESPACE_RE.match(namespace)
-        if match and (include_live or not _pid_alive(int(match.group(1)))):
-            _run("ip", "netns", "del", namespace, check=False)
+        if match and (include_live or not pid_alive(int(match.group(1)))):
+            run_command("ip", "netns", "del", namespace, check=False)
             removed.append(namespace)
-    links = _run("ip", "-o", "link", "show").stdout
+    links = run_command("ip", "-o", "link", "show").stdout
     for line in links.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
         match = _VETH_RE.match(name)
-        if match and (include_live or not _pid_alive(int(match.group(1)))):
-            _run("ip", "link", "del", name, check=False)
+        if match and (include_live or not pid_alive(int(match.group(1)))):
+            run_command("ip", "link", "del", name, check=False)
             removed.append(name)
     return removed
