@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .buffers import BufferPool
 from .exchange import PendingExchange
 from .fragments import Piece
 from .lowrank import LowRankCompressor
@@ -70,6 +71,7 @@ class Fragment:
         make_optimizer: builds an outer optimizer over one tensor.
         values: reads and writes this rank's owned values of the model (`shard.py`).
         compressor: its PowerSGD compressor when `lowrank_rank` > 0.
+        buffers: where the pseudo-gradient is written when θg lives on the CPU (None: a fresh vector every round).
 
     Attributes:
         theta_g: θg of the fragment over this rank's runs (fp32, identical on every worker).
@@ -89,6 +91,7 @@ class Fragment:
         make_optimizer: OptimizerFactory,
         values: Values,
         compressor: LowRankCompressor | None = None,
+        buffers: BufferPool | None = None,
     ):
         self.index = index
         self.pieces = list(pieces)
@@ -104,6 +107,7 @@ class Fragment:
         self.compressor = compressor
         self.flight: InFlight | None = None
         self.trajectory: Trajectory | None = None
+        self.buffers = buffers
 
     def names(self) -> list[str]:
         """Names of the parameters the fragment holds rows of, once each."""
@@ -136,7 +140,11 @@ class Fragment:
         return self.with_residual(self.moved_from(start))
 
     def moved_from(self, start: torch.Tensor) -> torch.Tensor:
-        return start - self.local().to(self.device)
+        """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU."""
+        if self.buffers is None or self.device.type != "cpu":
+            return start - self.local().to(self.device)
+        current = self.values.read(out=self.buffers.take(sum(self.owned_sizes)))
+        return torch.sub(start, current, out=current)
 
     def with_residual(self, delta: torch.Tensor) -> torch.Tensor:
         if self.residual is not None:
@@ -174,15 +182,18 @@ class Fragment:
         return held
 
 
-def outer_state_bytes(fragments: Sequence[Fragment], results_per_exchange: int) -> int:
+def outer_state_bytes(
+    fragments: Sequence[Fragment], results_per_exchange: int, buffers: Sequence[torch.Tensor] = ()
+) -> int:
     """Bytes of what the fragments keep beyond the model and the inner optimizer (each storage counted once): θg, the
     outer optimizer state, eager's trajectory and its optimizer state, the error-feedback residual, the low-rank warm
-    start and the exchanges in flight: what each sent and the `results_per_exchange` fp32 vectors of its share
-    (average, residual) it returns, counted from its launch so that the figure does not depend on when it completes."""
+    start, the exchanges in flight: what each sent and the `results_per_exchange` fp32 vectors of its share
+    (average, residual) it returns, counted from its launch so that the figure does not depend on when it completes,
+    and the reused `buffers` (`BufferPool.tensors()`)."""
     storages: dict[int, int] = {}
     results = 0
     for fragment in fragments:
-        for tensor in fragment.held_tensors():
+        for tensor in [*fragment.held_tensors(), *buffers]:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         if fragment.flight is not None:
