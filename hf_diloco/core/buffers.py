@@ -45,8 +45,8 @@ class BufferPool:
         fitting = [buffer for buffer, _ in free if buffer.numel() >= numel]
         if fitting:
             return min(fitting, key=torch.Tensor.numel)[:numel]
-        if free:
-            self._buffers.remove(free[0])
+        if free:  # a shorter free buffer gives way (compared by identity: `==` on tensors compares their values)
+            self._buffers = [entry for entry in self._buffers if entry is not free[0]]
         elif _storage_use_count is None or len(self._buffers) >= self.limit:
             return torch.empty(numel, dtype=torch.float32)
         buffer = torch.empty(numel, dtype=torch.float32)
