@@ -9,6 +9,7 @@ import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
 from hf_diloco.core.buffers import BufferPool
+from hf_diloco.core.shard import concatenated
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_model
 
@@ -32,14 +33,14 @@ def test_the_pool_keeps_at_most_its_limit_and_serves_shorter_requests_from_longe
     c = pool.take(8)  # both kept buffers are in use: a fresh tensor the pool does not keep
     kept = {t.untyped_storage().data_ptr() for t in pool.tensors()}
     assert len(kept) == 2 and c.untyped_storage().data_ptr() not in kept
-    del a
-    d = pool.take(16)  # no free buffer is long enough: the free buffer of 8 gives way to one of 16
+    del b
+    d = pool.take(16)  # no free buffer is long enough: the free buffer of 8 (kept second) gives way to one of 16
     assert sorted(t.numel() for t in pool.tensors()) == [8, 16]
     longest = d.untyped_storage().data_ptr()
     del d
     e = pool.take(4)  # served from the free buffer of 16
     assert e.numel() == 4 and e.untyped_storage().data_ptr() == longest
-    assert b.numel() == 8 and c.numel() == 8
+    assert a.numel() == 8 and c.numel() == 8
     with pytest.raises(ValueError, match="at least 1"):
         BufferPool(limit=0)
 
@@ -105,3 +106,17 @@ def test_the_engine_reuses_a_pseudo_gradient_buffer_only_when_nothing_holds_it()
         assert delayed["saved_unchanged"] is True
         assert delayed["pooled"] == [True] * 3 and eager["pooled"] == [True] * 3
         assert delayed["buffers"] == eager["buffers"] == 2  # the round in flight and the one being made
+
+
+def test_subtracting_while_reading_gives_the_bits_of_converting_then_subtracting():
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(3000, generator=generator)
+    parts = [values[:1000].to(torch.bfloat16), values[1000:2000], values[2000:].to(torch.float64) * (1 + 1e-9)]
+    start = torch.randn(3000, generator=generator)
+    expected = start - torch.cat([part.to(torch.float32) for part in parts])
+    out = torch.empty(3000)
+    assert concatenated(parts, out, subtracted_from=start) is out
+    assert torch.equal(out.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(concatenated(parts), torch.cat([part.to(torch.float32) for part in parts]))
+    with pytest.raises(ValueError, match="contiguous fp32 CPU vector of 3000 values"):
+        concatenated(parts, torch.empty(2999))

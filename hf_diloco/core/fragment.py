@@ -143,8 +143,7 @@ class Fragment:
         """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU."""
         if self.buffers is None or self.device.type != "cpu":
             return start - self.local().to(self.device)
-        current = self.values.read(out=self.buffers.take(sum(self.owned_sizes)))
-        return torch.sub(start, current, out=current)
+        return self.values.read(out=self.buffers.take(sum(self.owned_sizes)), subtracted_from=start)
 
     def with_residual(self, delta: torch.Tensor) -> torch.Tensor:
         if self.residual is not None:
