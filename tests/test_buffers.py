@@ -9,6 +9,7 @@ import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
 from hf_diloco.core.buffers import BufferPool
+from hf_diloco.core.fragment import _steps_in_pieces, optimizer_step
 from hf_diloco.core.shard import concatenated
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_model
@@ -120,3 +121,38 @@ def test_subtracting_while_reading_gives_the_bits_of_converting_then_subtracting
     assert torch.equal(concatenated(parts), torch.cat([part.to(torch.float32) for part in parts]))
     with pytest.raises(ValueError, match="contiguous fp32 CPU vector of 3000 values"):
         concatenated(parts, torch.empty(2999))
+
+
+@pytest.mark.parametrize("numel", [1, 7, 4099, 1_000_003])
+@pytest.mark.parametrize(("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (1.0, 0.9, False), (0.5, 0.0, False)])
+def test_the_pieced_outer_step_is_torch_sgd_bit_for_bit(numel, lr, momentum, nesterov):
+    generator = torch.Generator().manual_seed(numel)
+    start = torch.randn(numel, generator=generator)
+    gradients = [
+        torch.randn(numel, generator=generator) * 10.0 ** torch.randint(-8, 3, (numel,), generator=generator)
+        for _ in range(4)
+    ]
+    pieced, plain = start.clone(), start.clone()
+    mine = torch.optim.SGD([pieced], lr=lr, momentum=momentum, nesterov=nesterov)
+    reference = torch.optim.SGD([plain], lr=lr, momentum=momentum, nesterov=nesterov, foreach=False)
+    assert _steps_in_pieces(mine, pieced, gradients[0])
+    for gradient in gradients:
+        optimizer_step(mine, pieced, gradient)
+        plain.grad = gradient
+        reference.step()
+        assert torch.equal(pieced.view(torch.int32), plain.view(torch.int32))
+    if momentum:
+        buffers = mine.state[pieced]["momentum_buffer"], reference.state[plain]["momentum_buffer"]
+        assert torch.equal(buffers[0].view(torch.int32), buffers[1].view(torch.int32))
+
+
+def test_other_optimizers_and_settings_step_as_themselves():
+    tensor, gradient = torch.zeros(8), torch.ones(8)
+    assert not _steps_in_pieces(torch.optim.SGD([tensor], lr=0.1, weight_decay=0.1), tensor, gradient)
+    assert not _steps_in_pieces(torch.optim.Adam([tensor], lr=0.1), tensor, gradient)
+    assert not _steps_in_pieces(torch.optim.SGD([tensor], lr=0.1), tensor, gradient.double())
+    optimizer = torch.optim.SGD([tensor], lr=0.1)
+    optimizer.register_step_post_hook(lambda *args: None)
+    assert not _steps_in_pieces(optimizer, tensor, gradient)
+    optimizer_step(torch.optim.SGD([tensor], lr=0.5, weight_decay=0.5), tensor, gradient)
+    assert torch.equal(tensor, torch.full((8,), -0.5))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.optim.optimizer as optimizer_module
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -214,8 +215,76 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+# Values per piece of a pieced SGD step: its Nesterov term stays in a core's cache.
+_STEP_PIECE = 1 << 18
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradient: torch.Tensor) -> None:
-    """One step of `optimizer` (over `tensor` alone) with `gradient` as the gradient."""
+    """One step of `optimizer` (over `tensor` alone) with `gradient` as the gradient.
+
+    The engine's outer optimizer, plain `torch.optim.SGD` on the CPU, is stepped here piece by piece with the same
+    operations `SGD.step()` runs, so the bits are the same (`tests/test_buffers.py`); unpieced, its Nesterov term
+    `gradient + momentum · buffer` is a fresh vector of the tensor's size every round. Any other optimizer steps as
+    itself."""
+    if _steps_in_pieces(optimizer, tensor, gradient):
+        _sgd_step_in_pieces(optimizer, tensor, gradient)
+        return
     tensor.grad = gradient
     optimizer.step()
     tensor.grad = None
+
+
+def _steps_in_pieces(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradient: torch.Tensor) -> bool:
+    """Whether `optimizer` is an SGD whose step `_sgd_step_in_pieces` runs exactly: one fp32 CPU tensor, no weight
+    decay, maximize, fused, foreach or differentiable step, a float learning rate and no step hooks."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return False
+    group = optimizer.param_groups[0]
+    plain = (
+        group["weight_decay"] == 0
+        and not group["maximize"]
+        and not group.get("fused")
+        and not group.get("foreach")
+        and not group.get("differentiable")
+        and isinstance(group["lr"], float)
+    )
+    hooks = (
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+        optimizer_module._global_optimizer_pre_hooks,
+        optimizer_module._global_optimizer_post_hooks,
+    )
+    return (
+        plain
+        and not any(hooks)
+        and group["params"] == [tensor]
+        and tensor.device.type == gradient.device.type == "cpu"
+        and tensor.dtype == gradient.dtype == torch.float32
+        and tensor.shape == gradient.shape
+        and tensor.is_contiguous()
+        and gradient.is_contiguous()
+    )
+
+
+def _sgd_step_in_pieces(optimizer: torch.optim.SGD, tensor: torch.Tensor, gradient: torch.Tensor) -> None:
+    """`SGD.step()` (torch's one-tensor path) over pieces of `tensor`, its momentum buffer and `gradient`."""
+    group = optimizer.param_groups[0]
+    lr, momentum, dampening, nesterov = group["lr"], group["momentum"], group["dampening"], group["nesterov"]
+    state = optimizer.state[tensor]
+    buffer = state.get("momentum_buffer") if momentum != 0 else None
+    first = momentum != 0 and buffer is None
+    with torch.no_grad():
+        if first:
+            buffer = state["momentum_buffer"] = gradient.detach().clone()
+        flat, grad = tensor.view(-1), gradient.view(-1)
+        moment = None if buffer is None else buffer.view(-1)
+        term = torch.empty(min(_STEP_PIECE, flat.numel()), dtype=torch.float32) if nesterov else None
+        for start in range(0, flat.numel(), _STEP_PIECE):
+            stop = min(start + _STEP_PIECE, flat.numel())
+            step = grad[start:stop]
+            if moment is not None:
+                piece = moment[start:stop]
+                if not first:
+                    piece.mul_(momentum).add_(step, alpha=1 - dampening)
+                step = torch.add(step, piece, alpha=momentum, out=term[: stop - start]) if nesterov else piece
+            flat[start:stop].add_(step, alpha=-lr)
