@@ -141,6 +141,7 @@ def test_the_pieced_outer_step_is_torch_sgd_bit_for_bit(numel, lr, momentum, nes
         plain.grad = gradient
         reference.step()
         assert torch.equal(pieced.view(torch.int32), plain.view(torch.int32))
+    assert len(mine.state) == len(reference.state) == (1 if momentum else 0)
     if momentum:
         buffers = mine.state[pieced]["momentum_buffer"], reference.state[plain]["momentum_buffer"]
         assert torch.equal(buffers[0].view(torch.int32), buffers[1].view(torch.int32))

@@ -270,12 +270,12 @@ def _sgd_step_in_pieces(optimizer: torch.optim.SGD, tensor: torch.Tensor, gradie
     """`SGD.step()` (torch's one-tensor path) over pieces of `tensor`, its momentum buffer and `gradient`."""
     group = optimizer.param_groups[0]
     lr, momentum, dampening, nesterov = group["lr"], group["momentum"], group["dampening"], group["nesterov"]
-    state = optimizer.state[tensor]
-    buffer = state.get("momentum_buffer") if momentum != 0 else None
+    # SGD keeps state only with momentum (`optimizer.state` makes an entry on first access).
+    buffer = optimizer.state[tensor].get("momentum_buffer") if momentum != 0 else None
     first = momentum != 0 and buffer is None
     with torch.no_grad():
         if first:
-            buffer = state["momentum_buffer"] = gradient.detach().clone()
+            buffer = optimizer.state[tensor]["momentum_buffer"] = gradient.detach().clone()
         flat, grad = tensor.view(-1), gradient.view(-1)
         moment = None if buffer is None else buffer.view(-1)
         term = torch.empty(min(_STEP_PIECE, flat.numel()), dtype=torch.float32) if nesterov else None
