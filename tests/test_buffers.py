@@ -152,6 +152,8 @@ def test_other_optimizers_and_settings_step_as_themselves():
     assert not _steps_in_pieces(torch.optim.SGD([tensor], lr=0.1, weight_decay=0.1), tensor, gradient)
     assert not _steps_in_pieces(torch.optim.Adam([tensor], lr=0.1), tensor, gradient)
     assert not _steps_in_pieces(torch.optim.SGD([tensor], lr=0.1), tensor, gradient.double())
+    assert not _steps_in_pieces(torch.optim.SGD([tensor], lr=torch.tensor(0.1)), tensor, gradient)
+    assert _steps_in_pieces(torch.optim.SGD([tensor], lr=1), tensor, gradient)
     optimizer = torch.optim.SGD([tensor], lr=0.1)
     optimizer.register_step_post_hook(lambda *args: None)
     assert not _steps_in_pieces(optimizer, tensor, gradient)

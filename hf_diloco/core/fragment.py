@@ -236,7 +236,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradi
 
 def _steps_in_pieces(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradient: torch.Tensor) -> bool:
     """Whether `optimizer` is an SGD whose step `_sgd_step_in_pieces` runs exactly: one fp32 CPU tensor, no weight
-    decay, maximize, fused, foreach or differentiable step, a float learning rate and no step hooks."""
+    decay, maximize, fused, foreach or differentiable step, a number (not a tensor) as learning rate, no step hooks."""
     if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
         return False
     group = optimizer.param_groups[0]
@@ -246,7 +246,8 @@ def _steps_in_pieces(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gra
         and not group.get("fused")
         and not group.get("foreach")
         and not group.get("differentiable")
-        and isinstance(group["lr"], float)
+        and isinstance(group["lr"], (int, float))
+        and not isinstance(group["lr"], bool)
     )
     hooks = (
         optimizer._optimizer_step_pre_hooks,
