@@ -1,6 +1,6 @@
 """The host CPU cost of one outer round, stage by stage, per GB of fp32 model, next to this machine's copy bandwidth.
 
-    python -m benchmarks.sync_cost --sizes 4 16 64 --threads 1 2 --before main
+    python -m benchmarks.sync_cost --sizes 4 16 64 --threads 1 2 --before 28adba5 main
 
 Every outer round a worker turns its model into a flat fp32 pseudo-gradient, encodes it, sums what the other workers
 sent in fp32, encodes the average again, decodes it, takes the outer Nesterov step on θg and writes θm back. This
@@ -8,7 +8,8 @@ times each of those stages with the package's own code on vectors of `--sizes` m
 many parameters, as 1024-row matrices):
 
 - `flatten`, `pseudo-gradient`, `unflatten`, `outer step`: a `Fragment` over the whole model (`local()`,
-  `pseudo_gradient(θg)`, `write_local(θg)`, `outer_step(average)` with Nesterov SGD, momentum 0.9);
+  `pseudo_gradient(θg)`, `write_local(θg)`, `outer_step(average)` with Nesterov SGD, momentum 0.9), with the
+  engine's reused pseudo-gradient buffers (`BufferPool`);
 - `encode`, `decode` of every codec, and `sum` (`decode_sum` of M = 2 payloads of half the model each: what a rank
   sums in the default `reduce_scatter` exchange), with a `coding_pool` of the thread count;
 - `deflate`, `inflate` (`entropy_coding`) of the fp4 payload, per GB of the fp32 model it encodes;
@@ -18,9 +19,10 @@ many parameters, as 1024-row matrices):
 Every stage is called once per round, in turn, for `--repeats` rounds, and keeps its fastest call (wall seconds,
 and CPU seconds of the process): on cores shared with other jobs the fastest call is the least disturbed one. A
 figure is GB of fp32 model per wall second; its share of `copy` compares GB per CPU second (per core: with one
-thread, the core's time the stage used). `--before REV` also times encode, decode and sum of
-`hf_diloco/core/codecs.py` as it is in git revision REV (its own code, torch's threads instead of a pool), side by
-side in the same rounds. The default fp4 path's round (`reduce_scatter`, M = 2) costs: pseudo-gradient + encode +
+thread, the core's time the stage used). `--before REV [REV ...]` also times the fragment's stages and the codecs'
+encode, decode and sum with `hf_diloco/core` as it is in each git revision REV (its own code: its codecs with the
+`coding_pool` if they take one, else torch's threads; its fragments with the buffers it has, if any), side by side in
+the same rounds. The default fp4 path's round (`reduce_scatter`, M = 2) costs: pseudo-gradient + encode +
 sum + encode of half + decode + outer step + unflatten, printed as wall and CPU seconds per GB of fp32 model;
 `benchmarks.projection` reads the stage costs from `--out` (`.json`; `.md` the tables).
 """
@@ -33,21 +35,24 @@ import functools
 import importlib.util
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import nn
 
+import hf_diloco.core.buffers
+import hf_diloco.core.fragment
+import hf_diloco.core.fragments
+import hf_diloco.core.shard
+import hf_diloco.core.topology
 from benchmarks.common import RESULTS_DIR, command_line
 from hf_diloco.core.codecs import COMPRESSIONS, coding_pool, make_codec
 from hf_diloco.core.exchange import deflate_payload, inflate_payload
-from hf_diloco.core.fragment import Fragment
-from hf_diloco.core.fragments import Piece
-from hf_diloco.core.shard import ReplicatedValues, Worker
-from hf_diloco.core.topology import Topology
 
 BLOCK_SIZES = {"sign": 512}  # the rest at the default 128
 SCALE_DTYPES = {"sign": "bf16"}  # the rest at the default fp32
@@ -71,14 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--codecs", nargs="+", default=list(COMPRESSIONS), choices=COMPRESSIONS)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--before", metavar="REV", help="Also time the codecs of this git revision, side by side.")
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        nargs="+",
+        default=[],
+        help="Also time the fragment stages and codecs of these git revisions, side by side.",
+    )
     parser.add_argument("--out", default=f"{RESULTS_DIR}/sync_cost", help="Writes OUT.json and OUT.md.")
     return parser
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    before = codecs_at(args.before) if args.before else None
+    before = {revision: core_at(revision) for revision in args.before}
     rows = []
     for millions in args.sizes:
         numel = int(millions * 1e6) // 1024 * 1024  # whole blocks of every codec
@@ -88,6 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"command": command_line("sync_cost", argv), "before": args.before, "rows": rows}
     result["default_round_seconds_per_gb"] = default_round(rows, "gb_per_second")
     result["default_round_cpu_seconds_per_gb"] = default_round(rows, "gb_per_cpu_second")
+    result["default_round_cpu_seconds_per_gb_before"] = {
+        revision: default_round(rows, "gb_per_cpu_second", revision) for revision in args.before
+    }
     write_report(result, Path(args.out))
     return result
 
@@ -95,8 +109,11 @@ def main(argv: list[str] | None = None) -> dict:
 # ----------------------------------------------------------------------------------------------- measuring
 
 
-def measure(numel: int, threads: int, codecs: list[str], repeats: int, before=None) -> list[dict]:
-    """Every stage on a model of `numel` fp32 parameters with `threads` threads: one row per stage."""
+def measure(
+    numel: int, threads: int, codecs: list[str], repeats: int, before: dict[str, ModuleType] | None = None
+) -> list[dict]:
+    """Every stage on a model of `numel` fp32 parameters with `threads` threads: one row per stage (`version`
+    "package", or a revision of `before`: its `hf_diloco.core` package, from `core_at`)."""
     gigabytes = numel * 4 / 1e9
     rows = []
 
@@ -122,15 +139,17 @@ def measure(numel: int, threads: int, codecs: list[str], repeats: int, before=No
             ("copy", "package"): functools.partial(torch.empty_like(values).copy_, values),
             ("fresh copy", "package"): values.clone,
         }
-        stages.update({(stage, "package"): call for stage, call in fragment_stages(values).items()})
+        cores = {"package": hf_diloco.core, **(before or {})}
+        for version, core in cores.items():
+            stages.update({(stage, version): call for stage, call in fragment_stages(values, core).items()})
         for name in codecs:
             versions = {"package": make_codec(name, BLOCK_SIZES.get(name, 128), SCALE_DTYPES.get(name, "fp32"))}
-            if before is not None:
-                versions["before"] = before.make_codec(
+            for revision, core in (before or {}).items():
+                versions[revision] = core.codecs.make_codec(
                     name, BLOCK_SIZES.get(name, 128), SCALE_DTYPES.get(name, "fp32")
                 )
             for version, codec in versions.items():
-                for stage, call in codec_stages(codec, values, pool if version == "package" else None).items():
+                for stage, call in codec_stages(codec, values, pool).items():
                     stages[f"{name} {stage}", version] = call
         payload = make_codec("fp4").encode(values, pool)
         packed = deflate_payload(payload, pool)
@@ -141,16 +160,20 @@ def measure(numel: int, threads: int, codecs: list[str], repeats: int, before=No
     return rows
 
 
-def fragment_stages(values: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The engine's per-fragment stages on a model holding `values` (1024-row matrices)."""
+def fragment_stages(values: torch.Tensor, core: ModuleType) -> dict[str, Callable[[], object]]:
+    """The engine's per-fragment stages on a model holding `values` (1024-row matrices), with the `Fragment` of
+    `core` (`hf_diloco.core` or `core_at`'s) and the buffers its engine gives a fragment, if any."""
     numel = values.numel()
     matrices = [values[start : start + ROW_LENGTH * 1024].clone() for start in range(0, numel, ROW_LENGTH * 1024)]
     params = {f"w{i}": nn.Parameter(m.view(-1, ROW_LENGTH)) for i, m in enumerate(matrices)}
     del matrices
-    pieces = [Piece(name, 0, p.shape[0]) for name, p in params.items()]
-    worker = Worker(Topology.single_process(), count_bytes=lambda nbytes: None)
-    values_of_rank = ReplicatedValues(pieces, params, granularity=1024, worker=worker)
-    fragment = Fragment(0, pieces, params, torch.device("cpu"), outer_optimizer, values_of_rank)
+    pieces = [core.fragments.Piece(name, 0, p.shape[0]) for name, p in params.items()]
+    worker = core.shard.Worker(core.topology.Topology.single_process(), count_bytes=lambda nbytes: None)
+    values_of_rank = core.shard.ReplicatedValues(pieces, params, granularity=1024, worker=worker)
+    buffers = {"buffers": core.buffers.BufferPool(limit=3)} if hasattr(core, "buffers") else {}  # P = 1: P + 2
+    fragment = core.fragment.Fragment(
+        0, pieces, params, torch.device("cpu"), outer_optimizer, values_of_rank, **buffers
+    )
     average = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-4
     fragment.outer_step(average)  # the momentum buffer exists from the first round on
     return {
@@ -218,34 +241,46 @@ def torch_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def codecs_at(revision: str):
-    """`hf_diloco/core/codecs.py` of a git revision, imported as its own module (it imports only torch)."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:hf_diloco/core/codecs.py"], capture_output=True, text=True, check=True
-    ).stdout
-    folder = Path(tempfile.mkdtemp())
-    path = folder / "codecs_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("codecs_before", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def core_at(revision: str) -> ModuleType:
+    """`hf_diloco/core` of a git revision, imported as its own package `core_at_REV` (it imports only torch, numpy
+    and yaml, and itself by relative imports), with the modules `sync_cost` uses loaded."""
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{revision}:hf_diloco/core"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    name = "core_at_" + "".join(c if c.isalnum() else "_" for c in revision)
+    folder = Path(tempfile.mkdtemp()) / name
+    folder.mkdir()
+    for file in names:
+        if file.endswith(".py"):
+            source = subprocess.run(
+                ["git", "show", f"{revision}:hf_diloco/core/{file}"], capture_output=True, text=True, check=True
+            ).stdout
+            (folder / file).write_text(source)
+    spec = importlib.util.spec_from_file_location(
+        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[name] = package
+    spec.loader.exec_module(package)
+    for module in ("codecs", "fragment", "fragments", "shard", "topology", "buffers"):
+        if f"{module}.py" in names:
+            importlib.import_module(f"{name}.{module}")
+    return package
 
 
 # ----------------------------------------------------------------------------------------------- reporting
 
 
-def default_round(rows: list[dict], rate: str) -> dict[str, float]:
+def default_round(rows: list[dict], rate: str, version: str = "package") -> dict[str, float]:
     """Seconds per GB of fp32 model of one round of the default fp4 path, by thread count (largest model), from the
-    rows' `rate` (`gb_per_second`: wall seconds; `gb_per_cpu_second`: CPU seconds)."""
+    rows' `rate` (`gb_per_second`: wall seconds; `gb_per_cpu_second`: CPU seconds) of `version`'s code; the stages
+    a revision of `--before` has no row of (unflatten, say) are the package's."""
     largest = max(row["parameters"] for row in rows)
     totals = {}
     for threads in sorted({row["threads"] for row in rows}):
-        rates = {
-            row["stage"]: row[rate]
-            for row in rows
-            if row["parameters"] == largest and row["threads"] == threads and row["version"] == "package"
-        }
+        mine = [row for row in rows if row["parameters"] == largest and row["threads"] == threads]
+        rates = {row["stage"]: row[rate] for row in mine if row["version"] == "package"}
+        rates.update({row["stage"]: row[rate] for row in mine if row["version"] == version})
         if all(stage in rates for stage in DEFAULT_ROUND):
             totals[str(threads)] = sum(share / rates[stage] for stage, share in DEFAULT_ROUND.items())
     return totals
@@ -265,7 +300,7 @@ def write_report(result: dict, out: Path) -> None:
             "|---|" + "---|" * len(sizes),
         ]
         stages = dict.fromkeys(r["stage"] for r in rows if r["threads"] == threads)
-        for version in ("package", "before"):
+        for version in ("package", *result["before"]):
             for stage in stages:
                 if (stage, version, sizes[0]) not in mine:
                     continue
@@ -274,7 +309,7 @@ def write_report(result: dict, out: Path) -> None:
                     row, copy = mine[stage, version, size], mine["copy", "package", size]
                     share = row["gb_per_cpu_second"] / copy["gb_per_cpu_second"]
                     cells.append(f"{row['gb_per_second']:.2f} ({share:.0%})")
-                label = stage if version == "package" else f"{stage} ({result['before']})"
+                label = stage if version == "package" else f"{stage} ({version})"
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     for threads, seconds in result["default_round_seconds_per_gb"].items():
@@ -283,6 +318,12 @@ def write_report(result: dict, out: Path) -> None:
             f"One round of the default fp4 path ({threads} thread{'s' * (int(threads) > 1)}, {sizes[-1] / 1e6:g} M "
             f"parameters): {seconds:.2f} wall s, {cpu:.2f} CPU s per GB of fp32 model."
         )
+    for revision, totals in result.get("default_round_cpu_seconds_per_gb_before", {}).items():
+        for threads, cpu in totals.items():
+            lines.append(
+                f"The same round with the code of {revision} ({threads} thread{'s' * (int(threads) > 1)}): "
+                f"{cpu:.2f} CPU s per GB of fp32 model."
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out}.md").write_text("\n".join(lines) + "\n")
     Path(f"{out}.json").write_text(json.dumps(result, indent=2))

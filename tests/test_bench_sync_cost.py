@@ -28,6 +28,8 @@ def costs(tmp_path_factory) -> Path:
             "--codecs",
             "fp4",
             "sign",
+            "--before",
+            "HEAD",
             "--out",
             str(out),
         ]
@@ -49,6 +51,19 @@ def test_every_stage_is_timed_at_every_size_and_thread_count(costs):
 
 
 @pytest.mark.timeout(300)
+def test_a_git_revision_is_timed_side_by_side_with_its_own_code(costs):
+    result = json.loads(costs.read_text())
+    assert result["before"] == ["HEAD"]
+    before = {(r["stage"], r["parameters"], r["threads"]) for r in result["rows"] if r["version"] == "HEAD"}
+    for size in (48 * 1024, 97 * 1024):
+        for threads in (1, 2):
+            assert {("pseudo-gradient", size, threads), ("fp4 encode", size, threads)} <= before
+    assert set(result["default_round_cpu_seconds_per_gb_before"]["HEAD"]) == {"1", "2"}
+    table = costs.with_suffix(".md").read_text()
+    assert table.count("| pseudo-gradient (HEAD) |") == 2 and "The same round with the code of HEAD" in table
+
+
+@pytest.mark.timeout(300)
 def test_projection_bytes_period_and_host_time_follow_the_formulas(costs, capsys):
     rows = projection.main(["--costs", str(costs), "--links", "1", "--settings", "4,100,1"])
     row = next(r for r in rows if r["model"] == "7B")
@@ -61,7 +76,7 @@ def test_projection_bytes_period_and_host_time_follow_the_formulas(costs, capsys
     rate = {
         r["stage"]: r["gb_per_cpu_second"]
         for r in json.loads(costs.read_text())["rows"]
-        if r["threads"] == 1 and r["parameters"] == 97 * 1024
+        if r["threads"] == 1 and r["parameters"] == 97 * 1024 and r["version"] == "package"
     }
     per_rank_gb = parameters * 4 / 1e9 / 4 / gpus
     main = per_rank_gb * sum(1 / rate[s] for s in ("pseudo-gradient", "outer step", "unflatten"))

@@ -129,7 +129,8 @@ def test_pipeline_stages_of_fsdp_workers_sync_their_shares_with_the_same_stage()
         assert {_fragment(n) for names in result["fragments"] for n in names} == set(range(P))
         for index, names in enumerate(result["fragments"]):
             assert all(_fragment(n) == index for n in names), names
-        bound = 0.55 * 8 * result["parameters"]  # D = 1 holds θg and the outer momentum: 8 bytes per parameter
+        # D = 1 holds θg, the outer momentum and the reused pseudo-gradient buffer (a fragment's): < 12 bytes per parameter
+        bound = 0.55 * 12 * result["parameters"]
         assert 0 < result["outer_state_bytes"] <= bound, result["outer_state_bytes"]
     for stage in range(STAGES):
         expected = _reference(stage)

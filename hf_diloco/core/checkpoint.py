@@ -39,7 +39,7 @@ def engine_state(engine: DiLoCo) -> dict:
             "residual": result.residual,
             "bytes_sent": result.bytes_sent,
             "bytes_sent_intra_worker": result.bytes_sent_intra_worker,
-            "sent": flight.sent if engine.overlap.saves_sent else None,
+            "sent": flight.sent.clone() if engine.overlap.saves_sent else None,  # may be a view of a longer buffer
             "estimate_weights": flight.weights,
         }
     fragments = engine.fragments

@@ -315,12 +315,20 @@ class BlockCodec(Codec, abc.ABC):
         return scales
 
     def _encode_piece(self, values: torch.Tensor, start: int, stop: int, payload: torch.Tensor) -> None:
-        numel, block = values.numel(), self.block_size
-        codes, scales = self._encode_blocks(values[start:stop].view(-1, block))
-        payload[start * self.bits // 8 : stop * self.bits // 8].copy_(codes)
+        codes, scales = self._encode_blocks(values[start:stop].view(-1, self.block_size))
+        codes_out, scales_out = self._piece_bytes(payload, values.numel(), start, stop)
+        codes_out.copy_(codes)
+        scales_out.copy_(scales.to(self.scale_dtype).view(torch.uint8))
+
+    def _piece_bytes(
+        self, payload: torch.Tensor, numel: int, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The payload's bytes of values [start, stop): their value bytes, and their blocks' scales."""
+        block = self.block_size
         scale_bytes = numel * self.bits // 8 + start // block * self.scale_nbytes
-        payload[scale_bytes : scale_bytes + scales.numel() * self.scale_nbytes].copy_(
-            scales.to(self.scale_dtype).view(torch.uint8)
+        return (
+            payload[start * self.bits // 8 : stop * self.bits // 8],
+            payload[scale_bytes : scale_bytes + (stop - start) // block * self.scale_nbytes],
         )
 
     def _decode_piece(
@@ -448,18 +456,21 @@ class FP4Codec(BlockCodec):
             raise ValueError(f"compression_block_size must be even for fp4 (two values per byte), got {block_size}.")
         super().__init__(block_size, scale_dtype)
 
-    def _encode_blocks(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # absmax from the largest and smallest value: two reductions without an |x| pass. Flushing subnormals
-        # changes no scale (the clamp lifts a block of subnormals to min_scale either way).
-        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
-        scales = self._stored_scales(absmax / self.qmax)
+    def _encode_piece(self, values: torch.Tensor, start: int, stop: int, payload: torch.Tensor) -> None:
+        blocks = values[start:stop].view(-1, self.block_size)
+        # absmax from the largest and smallest value: two reductions without an |x| pass; qmax is 1, so it is the
+        # scale. Flushing subnormals changes no scale (the clamp lifts a block of subnormals to min_scale either way).
+        scales = self._stored_scales(torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_()))
         if not bool(scales.amin() >= self._NO_FLUSH_SCALE):  # tiny blocks, or a NaN: the definition's path
-            return super()._encode_blocks(blocks)
-        scaled = (blocks / scales[:, None]).view(-1)
-        # Two neighbours' top 10 bits as one 20-bit index: the fp32 pair read as one int64, element 2i in the low half.
-        pair = torch.bitwise_right_shift(scaled.view(torch.int64), 22).bitwise_and_(0x3FF000003FF)
-        pair = torch.bitwise_right_shift(pair, 22).bitwise_or_(pair).bitwise_and_(0xFFFFF)
-        return torch.index_select(self._pair_table(), 0, pair), scales
+            return super()._encode_piece(values, start, stop, payload)
+        codes_out, scales_out = self._piece_bytes(payload, values.numel(), start, stop)
+        # Two neighbours' top 10 bits as one 20-bit index: the fp32 pair read as one int64, element 2i in the low
+        # half; computed in place in the quotient's memory, and the codes looked up straight into the payload.
+        pair = torch.div(blocks, scales[:, None]).view(-1).view(torch.int64)
+        pair.bitwise_right_shift_(22).bitwise_and_(0x3FF000003FF)
+        pair.bitwise_or_(pair >> 22).bitwise_and_(0xFFFFF)
+        torch.index_select(self._pair_table(), 0, pair, out=codes_out)
+        scales_out.copy_(scales.to(self.scale_dtype).view(torch.uint8))
 
     def _quantize(self, scaled: torch.Tensor) -> torch.Tensor:
         scaled = scaled.view(-1)

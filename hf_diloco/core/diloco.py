@@ -27,6 +27,7 @@ from .agreement import (
     describe_pieces,
     model_settings,
 )
+from .buffers import BufferPool
 from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig
 from .elastic import ElasticRounds, Membership
@@ -123,6 +124,8 @@ class DiLoCo:
             worker=self.worker,
         )
         self.overlap = make_overlap(config, self.rounds, self.topology.num_workers)
+        # Every fragment's sent vector may be held for a round (delayed, eager), and one more is being made.
+        self.buffers = BufferPool(limit=config.num_fragments + 2)
         self.fragments = [self._make_fragment(index, part, params) for index, part in enumerate(pieces)]
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
@@ -250,7 +253,7 @@ class DiLoCo:
         else:
             values = ReplicatedValues(pieces, params, self.exchange.granularity(), self.worker)
         device = torch.device(config.global_copy_device)
-        fragment = Fragment(index, pieces, params, device, self._outer_optimizer, values)
+        fragment = Fragment(index, pieces, params, device, self._outer_optimizer, values, buffers=self.buffers)
         if config.lowrank_rank:  # the initial Q is seeded by the fragment index, the same on every worker
             fragment.compressor = LowRankCompressor(
                 fragment.shapes,
@@ -320,7 +323,7 @@ class DiLoCo:
 
     def _count_outer_state(self) -> None:
         results = 2 if self.config.error_feedback or self.config.lowrank_rank else 1  # the average (and a residual)
-        self.stats.outer_state_bytes = outer_state_bytes(self.fragments, results)
+        self.stats.outer_state_bytes = outer_state_bytes(self.fragments, results, self.buffers.tensors())
 
     def _relative_drift(self) -> float:
         squared_diff, squared_norm = 0.0, 0.0

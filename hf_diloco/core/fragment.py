@@ -14,9 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.optim.optimizer as optimizer_module
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .buffers import BufferPool
 from .exchange import PendingExchange
 from .fragments import Piece
 from .lowrank import LowRankCompressor
@@ -70,6 +72,7 @@ class Fragment:
         make_optimizer: builds an outer optimizer over one tensor.
         values: reads and writes this rank's owned values of the model (`shard.py`).
         compressor: its PowerSGD compressor when `lowrank_rank` > 0.
+        buffers: where the pseudo-gradient is written when θg lives on the CPU (None: a fresh vector every round).
 
     Attributes:
         theta_g: θg of the fragment over this rank's runs (fp32, identical on every worker).
@@ -89,6 +92,7 @@ class Fragment:
         make_optimizer: OptimizerFactory,
         values: Values,
         compressor: LowRankCompressor | None = None,
+        buffers: BufferPool | None = None,
     ):
         self.index = index
         self.pieces = list(pieces)
@@ -104,6 +108,7 @@ class Fragment:
         self.compressor = compressor
         self.flight: InFlight | None = None
         self.trajectory: Trajectory | None = None
+        self.buffers = buffers
 
     def names(self) -> list[str]:
         """Names of the parameters the fragment holds rows of, once each."""
@@ -136,7 +141,10 @@ class Fragment:
         return self.with_residual(self.moved_from(start))
 
     def moved_from(self, start: torch.Tensor) -> torch.Tensor:
-        return start - self.local().to(self.device)
+        """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU."""
+        if self.buffers is None or self.device.type != "cpu":
+            return start - self.local().to(self.device)
+        return self.values.read(out=self.buffers.take(sum(self.owned_sizes)), subtracted_from=start)
 
     def with_residual(self, delta: torch.Tensor) -> torch.Tensor:
         if self.residual is not None:
@@ -174,15 +182,18 @@ class Fragment:
         return held
 
 
-def outer_state_bytes(fragments: Sequence[Fragment], results_per_exchange: int) -> int:
+def outer_state_bytes(
+    fragments: Sequence[Fragment], results_per_exchange: int, buffers: Sequence[torch.Tensor] = ()
+) -> int:
     """Bytes of what the fragments keep beyond the model and the inner optimizer (each storage counted once): θg, the
     outer optimizer state, eager's trajectory and its optimizer state, the error-feedback residual, the low-rank warm
-    start and the exchanges in flight: what each sent and the `results_per_exchange` fp32 vectors of its share
-    (average, residual) it returns, counted from its launch so that the figure does not depend on when it completes."""
+    start, the exchanges in flight: what each sent and the `results_per_exchange` fp32 vectors of its share
+    (average, residual) it returns, counted from its launch so that the figure does not depend on when it completes,
+    and the reused `buffers` (`BufferPool.tensors()`)."""
     storages: dict[int, int] = {}
     results = 0
     for fragment in fragments:
-        for tensor in fragment.held_tensors():
+        for tensor in [*fragment.held_tensors(), *buffers]:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
         if fragment.flight is not None:
@@ -204,8 +215,77 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+# Values per piece of a pieced SGD step: its Nesterov term stays in a core's cache.
+_STEP_PIECE = 1 << 18
+
+
 def optimizer_step(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradient: torch.Tensor) -> None:
-    """One step of `optimizer` (over `tensor` alone) with `gradient` as the gradient."""
+    """One step of `optimizer` (over `tensor` alone) with `gradient` as the gradient.
+
+    The engine's outer optimizer, plain `torch.optim.SGD` on the CPU, is stepped here piece by piece with the same
+    operations `SGD.step()` runs, so the bits are the same (`tests/test_buffers.py`); unpieced, its Nesterov term
+    `gradient + momentum · buffer` is a fresh vector of the tensor's size every round. Any other optimizer steps as
+    itself."""
+    if _steps_in_pieces(optimizer, tensor, gradient):
+        _sgd_step_in_pieces(optimizer, tensor, gradient)
+        return
     tensor.grad = gradient
     optimizer.step()
     tensor.grad = None
+
+
+def _steps_in_pieces(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradient: torch.Tensor) -> bool:
+    """Whether `optimizer` is an SGD whose step `_sgd_step_in_pieces` runs exactly: one fp32 CPU tensor, no weight
+    decay, maximize, fused, foreach or differentiable step, a number (not a tensor) as learning rate, no step hooks."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return False
+    group = optimizer.param_groups[0]
+    plain = (
+        group["weight_decay"] == 0
+        and not group["maximize"]
+        and not group.get("fused")
+        and not group.get("foreach")
+        and not group.get("differentiable")
+        and isinstance(group["lr"], (int, float))
+        and not isinstance(group["lr"], bool)
+    )
+    hooks = (
+        optimizer._optimizer_step_pre_hooks,
+        optimizer._optimizer_step_post_hooks,
+        optimizer_module._global_optimizer_pre_hooks,
+        optimizer_module._global_optimizer_post_hooks,
+    )
+    return (
+        plain
+        and not any(hooks)
+        and group["params"] == [tensor]
+        and tensor.device.type == gradient.device.type == "cpu"
+        and tensor.dtype == gradient.dtype == torch.float32
+        and tensor.shape == gradient.shape
+        and tensor.is_contiguous()
+        and gradient.is_contiguous()
+    )
+
+
+def _sgd_step_in_pieces(optimizer: torch.optim.SGD, tensor: torch.Tensor, gradient: torch.Tensor) -> None:
+    """`SGD.step()` (torch's one-tensor path) over pieces of `tensor`, its momentum buffer and `gradient`."""
+    group = optimizer.param_groups[0]
+    lr, momentum, dampening, nesterov = group["lr"], group["momentum"], group["dampening"], group["nesterov"]
+    # SGD keeps state only with momentum (`optimizer.state` makes an entry on first access).
+    buffer = optimizer.state[tensor].get("momentum_buffer") if momentum != 0 else None
+    first = momentum != 0 and buffer is None
+    with torch.no_grad():
+        if first:
+            buffer = optimizer.state[tensor]["momentum_buffer"] = gradient.detach().clone()
+        flat, grad = tensor.view(-1), gradient.view(-1)
+        moment = None if buffer is None else buffer.view(-1)
+        term = torch.empty(min(_STEP_PIECE, flat.numel()), dtype=torch.float32) if nesterov else None
+        for start in range(0, flat.numel(), _STEP_PIECE):
+            stop = min(start + _STEP_PIECE, flat.numel())
+            step = grad[start:stop]
+            if moment is not None:
+                piece = moment[start:stop]
+                if not first:
+                    piece.mul_(momentum).add_(step, alpha=1 - dampening)
+                step = torch.add(step, piece, alpha=momentum, out=term[: stop - start]) if nesterov else piece
+            flat[start:stop].add_(step, alpha=-lr)

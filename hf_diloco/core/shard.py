@@ -161,13 +161,14 @@ class ReplicatedValues:
         """Per piece, how many of its values this rank owns."""
         return tuple(max(0, min(stop, self._stop) - max(start, self._first)) for start, stop in self._spans())
 
-    def read(self) -> torch.Tensor:
-        """θm over this rank's runs, as a fresh flat fp32 CPU vector."""
-        parts = [
-            self._flat_rows(index)[lo - start : hi - start].to("cpu", torch.float32)
+    def read(self, out: torch.Tensor | None = None, subtracted_from: torch.Tensor | None = None) -> torch.Tensor:
+        """θm over this rank's runs as a flat fp32 CPU vector, or `subtracted_from - θm` (a vector of as many values):
+        written into `out` (as long as this rank owns), else into a fresh one."""
+        rows = [
+            self._flat_rows(index)[lo - start : hi - start]
             for index, start, lo, hi in self._overlaps(self._first, self._stop)
         ]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+        return concatenated(rows, out, subtracted_from)
 
     def write(self, owned: torch.Tensor) -> None:
         """θm <- `owned` over this rank's runs, and the other ranks' runs from them (an all-gather in windows)."""
@@ -248,9 +249,8 @@ class ShardedValues:
     def owned_sizes(self) -> tuple[int, ...]:
         return tuple(length for _, length in self.layout.runs[self.worker.index])
 
-    def read(self) -> torch.Tensor:
-        parts = [rows.detach().reshape(-1).to("cpu", torch.float32) for rows in self._rows()]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float32)
+    def read(self, out: torch.Tensor | None = None, subtracted_from: torch.Tensor | None = None) -> torch.Tensor:
+        return concatenated([rows.detach().reshape(-1) for rows in self._rows()], out, subtracted_from)
 
     def write(self, owned: torch.Tensor) -> None:
         """The local shards <- `owned`, after every FSDP module dropped its gathered weights."""
@@ -273,6 +273,34 @@ class ShardedValues:
 
 
 Values = ReplicatedValues | ShardedValues
+
+
+def concatenated(
+    parts: Sequence[torch.Tensor], out: torch.Tensor | None = None, subtracted_from: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The 1-D `parts` (any dtype and device) as one flat fp32 CPU vector, each converted while it is copied in, or
+    `subtracted_from` (an fp32 CPU vector of their total length) minus it: written into `out` (a contiguous fp32 CPU
+    vector of that length), else into a fresh one. A CPU part of fp32 or a narrower float is subtracted where it lies,
+    in one pass: fp32 minus it converts it exactly first, so the bits are those of converting, then subtracting."""
+    total = sum(part.numel() for part in parts)
+    if out is None:
+        out = torch.empty(total, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.device.type != "cpu" or out.shape != (total,) or not out.is_contiguous():
+        raise ValueError(
+            f"The values are read into a contiguous fp32 CPU vector of {total} values, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}."
+        )
+    at = 0
+    for part in parts:
+        into = out[at : at + part.numel()]
+        if subtracted_from is None:
+            into.copy_(part)
+        elif part.device.type == "cpu" and torch.promote_types(part.dtype, torch.float32) == torch.float32:
+            torch.sub(subtracted_from[at : at + part.numel()], part, out=into)
+        else:
+            torch.sub(subtracted_from[at : at + part.numel()], into.copy_(part), out=into)
+        at += part.numel()
+    return out
 
 
 def _chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
