@@ -94,6 +94,7 @@ def render_model_card(
     hyperparameters: Mapping[str, Any] | None = None,
     training_log: Sequence[Mapping[str, Any]] | None = None,
     tokens_seen: int | None = None,
+    membership: Mapping[str, Any] | None = None,
 ) -> str:
     """
     Render the model card of a model trained with DiLoCo.
@@ -125,6 +126,9 @@ def render_model_card(
         training_log (`Sequence[Mapping[str, Any]]`, *optional*): one row per evaluation during training (training
             loss, epoch, step, validation metrics), as the Trainer's cards show them.
         tokens_seen (`int`, *optional*): tokens trained on, all workers together.
+        membership (`Mapping[str, Any]`, *optional*): with elastic workers, the run's membership history as
+            `engine.elastic.log.summary()` gives it (exchanges, fewest and most workers, joins, drops, retries, heals);
+            `None`: a fixed set of workers.
 
     Returns:
         `str`: the card, YAML front matter included.
@@ -169,6 +173,7 @@ def render_model_card(
         "compression": _compression(settings),
         "pipeline_stages": settings["pipeline_stages"],
         "data_parallel_per_worker": settings["data_parallel_per_worker"],
+        "membership": _membership(membership),
         "world_size": num_workers * int(settings["pipeline_stages"]) * int(settings["data_parallel_per_worker"]),
         "data_description": data_description.strip() or NOT_RECORDED,
         "tokens_seen": _tokens(tokens_seen),
@@ -277,6 +282,18 @@ def _evaluation_section(results: Mapping[str, float], evaluated: str) -> str:
     rows = [f"| {key} | {_number(value)} |" for key, value in results.items()]
     header = f"Evaluation of the weights in this folder, {evaluated}:"
     return "\n".join([header, "", "| Metric | Value |", "| --- | --- |", *rows])
+
+
+def _membership(summary: Mapping[str, Any] | None) -> str:
+    if summary is None:
+        return "fixed"
+    fewest, most = summary["fewest_workers"], summary["most_workers"]
+    workers = f"{most}" if fewest == most else f"{fewest}-{most}"
+    healed = f"{summary['heals']} time(s), {_bytes(summary['heal_bytes'])}" if summary["heals"] else "never"
+    return (
+        f"elastic: {summary['exchanges']} exchanges among {workers} workers; {summary['drops']} drop(s), "
+        f"{summary['joins']} join(s), {summary['retries']} exchange(s) retried; this worker healed from a peer {healed}"
+    )
 
 
 def framework_versions() -> dict[str, str]:

@@ -54,6 +54,18 @@ def test_front_matter_has_diloco_tag_library_and_base_model():
     assert ModelCard(card).data.tags == meta["tags"]
 
 
+def test_membership_is_fixed_or_the_elastic_history():
+    fixed = render_model_card(_settings(), COMMUNICATION, "d", None, None)
+    assert _table_value(fixed, "Worker membership") == "fixed"
+    history = {"exchanges": 8, "fewest_workers": 2, "most_workers": 3, "joins": 1, "drops": 1, "retries": 1,
+               "heals": 1, "heal_bytes": 363_932, "heal_seconds": 0.01}  # fmt: skip
+    elastic = render_model_card(_settings(), COMMUNICATION, "d", None, None, membership=history)
+    assert _table_value(elastic, "Worker membership") == (
+        "elastic: 8 exchanges among 2-3 workers; 1 drop(s), 1 join(s), 1 exchange(s) retried; this worker healed "
+        "from a peer 1 time(s), 363.93 KB (363,932 bytes)"
+    )
+
+
 def test_settings_and_data_rendered():
     card = render_model_card(
         _settings(num_workers=3, pipeline_stages=2, data_parallel_per_worker=4),

@@ -1,5 +1,6 @@
 """README.md's elastic block run as written on two sites against the `torchft_lighthouse` command the README
-starts: both train, save the global model, and end with the same θg; the membership summary counts what happened."""
+starts: both train, save the global model and its card, and end with the same θg; the membership summary counts what
+happened and the card states it."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_the_readme_elastic_snippet_trains_two_sites(tmp_path):
     # Both ran every one of the 3 rounds of 100 steps with both sites, from one start (min_workers=2).
     for result in (a, b):
         assert result["summary"]["exchanges"] == 3 and result["summary"]["fewest_workers"] == 2
+    card = (tmp_path / "out-site-a" / "README.md").read_text()
+    assert "| Worker membership | elastic: 3 exchanges among 2 workers; 0 drop(s), 0 join(s)" in card
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out-site-a")
     for name, value in saved.state_dict().items():
         if name in a["global"]:

@@ -31,6 +31,7 @@ def main() -> None:
         "optimizer": torch.optim.SGD(model.parameters(), lr=0.05),
         "total_steps": 300,
         "batch_at": lambda step: batch_for(slot, step),
+        "data_description": "Random token ids, one shard per site.",
     }
     exec(compile(readme_snippet(), str(README), "exec"), names)
     engine = names["engine"]
