@@ -188,11 +188,7 @@ class ElasticRounds:
             "outer_optimizer": merged_optimizer_state([fragment.outer_optimizer for fragment in engine.fragments]),
             "divergence_guard": engine.guard.state_dict(),
             "flights": {
-                fragment.index: {
-                    "apply_at": fragment.flight.apply_at,
-                    "average": fragment.flight.pending.wait().average,
-                    "contributors": fragment.flight.pending.wait().contributors,
-                }
+                fragment.index: _completed_flight(fragment.flight)
                 for fragment in engine.fragments
                 if fragment.flight is not None
             },
@@ -338,3 +334,9 @@ class ElasticRounds:
             engine.overlap.launched(fragment, flight)
         else:  # every member joined during this round: there is nothing to average
             fragment.write_local(fragment.theta_g)
+
+
+def _completed_flight(flight: InFlight) -> dict:
+    """An exchange that has completed (every exchange runs inline) but is applied later, as a healer receives it."""
+    result = flight.pending.wait()
+    return {"apply_at": flight.apply_at, "average": result.average, "contributors": result.contributors}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn
 
 logger = logging.getLogger(__name__)
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
 
 class TorchftMembership:
@@ -207,6 +208,3 @@ class _CountingReader:
         data = self.stream.readline(size)
         self.count += len(data)
         return data
-
-
-os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
