@@ -10,8 +10,9 @@ many parameters, as 1024-row matrices):
 - `flatten`, `pseudo-gradient`, `unflatten`, `outer step`: a `Fragment` over the whole model (`local()`,
   `pseudo_gradient(θg)`, `write_local(θg)`, `outer_step(average)` with Nesterov SGD, momentum 0.9), with the
   engine's reused pseudo-gradient buffers (`BufferPool`);
-- `encode`, `decode` of every codec, and `sum` (`decode_sum` of M = 2 payloads of half the model each: what a rank
-  sums in the default `reduce_scatter` exchange), with a `coding_pool` of the thread count;
+- `encode`, `decode` of every codec (into a vector already in memory: the exchange decodes the round's average into
+  the engine's reused buffer), and `sum` (`decode_sum` of M = 2 payloads of half the model each: what a rank sums in
+  the default `reduce_scatter` exchange), with a `coding_pool` of the thread count;
 - `deflate`, `inflate` (`entropy_coding`) of the fp4 payload, per GB of the fp32 model it encodes;
 - `copy`: `torch.Tensor.copy_` of the same fp32 bytes into a buffer already in memory, the limit; and `fresh copy`
   (`clone`), whose output pages are touched for the first time, as every stage's fresh output is.
@@ -149,7 +150,7 @@ def measure(
                     name, BLOCK_SIZES.get(name, 128), SCALE_DTYPES.get(name, "fp32")
                 )
             for version, codec in versions.items():
-                for stage, call in codec_stages(codec, values, pool).items():
+                for stage, call in codec_stages(codec, values, pool, reused_output=version == "package").items():
                     stages[f"{name} {stage}", version] = call
         payload = make_codec("fp4").encode(values, pool)
         packed = deflate_payload(payload, pool)
@@ -189,12 +190,15 @@ def outer_optimizer(tensor: torch.Tensor) -> torch.optim.Optimizer:
     return torch.optim.SGD([tensor], lr=0.7, momentum=0.9, nesterov=True)
 
 
-def codec_stages(codec, values: torch.Tensor, pool) -> dict[str, Callable[[], object]]:
-    """Encode and decode `values` with `codec`, and sum two decoded halves (reduce_scatter, M = 2)."""
+def codec_stages(codec, values: torch.Tensor, pool, reused_output: bool = False) -> dict[str, Callable[[], object]]:
+    """Encode and decode `values` with `codec`, and sum two decoded halves (reduce_scatter, M = 2). `reused_output`:
+    decode into a vector already in memory, as the package's exchange decodes the average into the engine's reused
+    buffer; else into a fresh vector, as earlier revisions' exchange did."""
     numel = values.numel()
     new = hasattr(codec, "decode_sum")
     kwargs = {"pool": pool} if new else {}
     payload = codec.encode(values, **kwargs)
+    into = {"out": torch.empty_like(values).zero_()} if reused_output else {}
     halves = [codec.encode(half, **kwargs) for half in values.chunk(2)]
     if new:
         add = lambda: codec.decode_sum(halves, numel // 2, pool)  # noqa: E731
@@ -202,7 +206,7 @@ def codec_stages(codec, values: torch.Tensor, pool) -> dict[str, Callable[[], ob
         add = lambda: summed_one_by_one(codec, halves, numel // 2)  # noqa: E731
     return {
         "encode": lambda: codec.encode(values, **kwargs),
-        "decode": lambda: codec.decode(payload, numel, **kwargs),
+        "decode": lambda: codec.decode(payload, numel, **kwargs, **into),
         "sum": add,
     }
 

@@ -1,6 +1,6 @@
-"""The pseudo-gradient's reused buffers: a buffer comes back only once nothing refers to it, in the pool alone and in
-the engine on real gloo processes, whatever holds a round's sent vector (the exchange, the delayed and eager modes, an
-observer, a checkpoint)."""
+"""The reused buffers of the pseudo-gradient and of the average: a buffer comes back only once nothing refers to it, in
+the pool alone and in the engine on real gloo processes, whatever holds a round's sent vector or average (the exchange,
+the delayed and eager modes, an observer, a checkpoint)."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def test_the_pool_keeps_at_most_its_limit_and_serves_shorter_requests_from_longe
 
 
 def _rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """Train every case; observers keep each round's sent vector (`keep`) or only a copy of it, and the values of
-    each kept vector at its round are compared with what it holds at the end."""
+    """Train every case; observers keep each round's sent vector and average (`keep`) or only copies of them, and the
+    values of each kept vector at its round are compared with what it holds at the end."""
     results = []
     for case in cases:
         case = dict(case)
@@ -60,9 +60,14 @@ def _rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
         seen: list[dict] = []
 
         def observe(record, seen=seen, keep=keep, engine=engine):
-            storage = record.sent.untyped_storage().data_ptr()
-            pooled = storage in {t.untyped_storage().data_ptr() for t in engine.buffers.tensors()}
-            seen.append({"sent": record.sent if keep else None, "copy": record.sent.clone(), "pooled": pooled})
+            kept = {t.untyped_storage().data_ptr() for t in engine.buffers.tensors()}
+            seen.append(
+                {
+                    "pooled": [t.untyped_storage().data_ptr() in kept for t in (record.sent, record.average)],
+                    "kept": [record.sent, record.average] if keep else None,
+                    "copies": [record.sent.clone(), record.average.clone()],
+                }
+            )
 
         engine.add_observer(observe)
         saved = None
@@ -76,7 +81,11 @@ def _rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
         results.append(
             {
                 "pooled": [round_["pooled"] for round_ in seen],
-                "unchanged": [torch.equal(r["sent"], r["copy"]) for r in seen if r["sent"] is not None],
+                "unchanged": [
+                    [torch.equal(kept, copy) for kept, copy in zip(r["kept"], r["copies"])]
+                    for r in seen
+                    if r["kept"] is not None
+                ],
                 "saved_unchanged": None if saved is None else torch.equal(saved["pending"][0]["sent"], saved_sent),
                 "buffers": len(engine.buffers.tensors()),
                 "pool_at_start": len(pool),
@@ -89,24 +98,25 @@ def _rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 @pytest.mark.timeout(600)
-def test_the_engine_reuses_a_pseudo_gradient_buffer_only_when_nothing_holds_it():
+def test_the_engine_reuses_a_round_buffer_only_when_nothing_holds_it():
     cases = [
-        dict(inner_steps=2, steps=8, keep=False),  # plain DiLoCo: one buffer, reused every round
-        dict(inner_steps=2, steps=8, keep=True),  # an observer holds every sent vector: never reused
+        dict(inner_steps=2, steps=8, keep=False),  # plain DiLoCo: two buffers, reused every round
+        dict(inner_steps=2, steps=8, keep=True),  # an observer holds every sent vector and average: never reused
         dict(inner_steps=2, steps=8, keep=False, overlap="delayed"),  # a round in flight, and a checkpoint of it
         dict(inner_steps=2, steps=8, keep=False, overlap="eager"),
     ]
     results = run_on_processes(_rounds, 2, cases, timeout_seconds=300)
     for plain, held, delayed, eager in results:
         assert plain["pool_at_start"] == 0
-        assert plain["pooled"] == [True] * 4 and plain["buffers"] == 1
-        # θg and the outer momentum (8 bytes per parameter), and the reused pseudo-gradient buffer (4).
-        assert plain["held_bytes"] == 12 * plain["parameters"]
-        assert held["unchanged"] == [True] * 4
-        assert held["buffers"] == 3  # its limit, P + 2; the fourth round's vector is a fresh tensor
+        assert plain["pooled"] == [[True, True]] * 4 and plain["buffers"] == 2
+        # θg and the outer momentum (8 bytes per parameter), and the reused pseudo-gradient and average buffers (8).
+        assert plain["held_bytes"] == 16 * plain["parameters"]
+        assert held["unchanged"] == [[True, True]] * 4
+        # Its limit, 2P + 2: the third and fourth rounds' vectors are fresh tensors.
+        assert held["pooled"] == [[True, True]] * 2 + [[False, False]] * 2 and held["buffers"] == 4
         assert delayed["saved_unchanged"] is True
-        assert delayed["pooled"] == [True] * 3 and eager["pooled"] == [True] * 3
-        assert delayed["buffers"] == eager["buffers"] == 2  # the round in flight and the one being made
+        assert delayed["pooled"] == [[True, True]] * 3 and eager["pooled"] == [[True, True]] * 3
+        assert delayed["buffers"] == eager["buffers"] == 4  # the round in flight and the one being made
 
 
 def test_subtracting_while_reading_gives_the_bits_of_converting_then_subtracting():

@@ -129,8 +129,9 @@ def test_pipeline_stages_of_fsdp_workers_sync_their_shares_with_the_same_stage()
         assert {_fragment(n) for names in result["fragments"] for n in names} == set(range(P))
         for index, names in enumerate(result["fragments"]):
             assert all(_fragment(n) == index for n in names), names
-        # D = 1 holds θg, the outer momentum and the reused pseudo-gradient buffer (a fragment's): < 12 bytes per parameter
-        bound = 0.55 * 12 * result["parameters"]
+        # D = 1 holds θg, the outer momentum and the reused pseudo-gradient and average buffers (a fragment's each):
+        # at most 16 bytes per parameter; each of the D = 2 ranks about half of it.
+        bound = 0.55 * 16 * result["parameters"]
         assert 0 < result["outer_state_bytes"] <= bound, result["outer_state_bytes"]
     for stage in range(STAGES):
         expected = _reference(stage)

@@ -35,7 +35,7 @@ def engine_state(engine: DiLoCo) -> dict:
         flight.pending = PendingExchange.completed(result)
         pending[fragment.index] = {
             "apply_at": flight.apply_at,
-            "average": result.average,
+            "average": result.average.clone(),  # may be a view of a longer buffer
             "residual": result.residual,
             "bytes_sent": result.bytes_sent,
             "bytes_sent_intra_worker": result.bytes_sent_intra_worker,

@@ -174,10 +174,7 @@ class Codec:
         """Decode a payload of `encoded_nbytes(numel)` bytes into a fresh 1-D fp32 tensor of `numel` values, or into
         `out` (a contiguous 1-D fp32 tensor of `numel` values), which is returned."""
         self._check_payload(payload, numel)
-        if out is not None and (out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous()):
-            raise ValueError(
-                f"decode writes into a contiguous fp32 tensor of {numel} values, got {out.dtype} {tuple(out.shape)}."
-            )
+        self._check_out(out, numel)
         pieces = _pieces(numel, self.align)
         if out is None and len(pieces) == 1:
             return self._decode_piece(payload, numel, 0, numel)
@@ -188,12 +185,20 @@ class Codec:
         )
         return out
 
-    def decode_sum(self, payloads: Sequence[torch.Tensor], numel: int, pool: Executor | None = None) -> torch.Tensor:
+    def decode_sum(
+        self,
+        payloads: Sequence[torch.Tensor],
+        numel: int,
+        pool: Executor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The fp32 sum of the decoded payloads, added in their order to zeros: bit for bit
-        `zeros + decode(payloads[0]) + decode(payloads[1]) + ...`, without holding any decoded vector whole."""
+        `zeros + decode(payloads[0]) + decode(payloads[1]) + ...`, without holding any decoded vector whole; in a
+        fresh tensor or written into `out` (a contiguous 1-D fp32 tensor of `numel` values), which is returned."""
         for payload in payloads:
             self._check_payload(payload, numel)
-        total = torch.empty(numel, dtype=torch.float32)
+        self._check_out(out, numel)
+        total = torch.empty(numel, dtype=torch.float32) if out is None else out
 
         def add_piece(start: int, stop: int) -> None:
             part = total[start:stop].zero_()
@@ -205,6 +210,13 @@ class Codec:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, align={self.align})"
+
+    @staticmethod
+    def _check_out(out: torch.Tensor | None, numel: int) -> None:
+        if out is not None and (out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous()):
+            raise ValueError(
+                f"decode writes into a contiguous fp32 tensor of {numel} values, got {out.dtype} {tuple(out.shape)}."
+            )
 
     def _encode_piece(self, values: torch.Tensor, start: int, stop: int, payload: torch.Tensor) -> None:
         """Write the payload bytes of `values[start:stop]` (contiguous fp32) into `payload`."""

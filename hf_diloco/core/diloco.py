@@ -124,8 +124,8 @@ class DiLoCo:
             worker=self.worker,
         )
         self.overlap = make_overlap(config, self.rounds, self.topology.num_workers)
-        # Every fragment's sent vector may be held for a round (delayed, eager), and one more is being made.
-        self.buffers = BufferPool(limit=config.num_fragments + 2)
+        # Every fragment's sent vector and average may be held for a round (delayed, eager), and a pair is being made.
+        self.buffers = BufferPool(limit=2 * config.num_fragments + 2)
         self.fragments = [self._make_fragment(index, part, params) for index, part in enumerate(pieces)]
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
@@ -283,6 +283,7 @@ class DiLoCo:
             compressor=fragment.compressor,
             context=self._launch_context(fragment),
             layout=fragment.values.layout,
+            out=fragment.average_buffer(),
         )
         self.overlap.launched(fragment, InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta))
 
@@ -297,6 +298,7 @@ class DiLoCo:
             compressor=fragment.compressor,
             context=self._launch_context(fragment),
             layout=fragment.values.layout,
+            out=fragment.average_buffer(),
         )
         record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta))
         fragment.write_local(fragment.theta_g)
@@ -322,8 +324,10 @@ class DiLoCo:
         self.stats.bytes_sent_intra_worker += sent
 
     def _count_outer_state(self) -> None:
-        results = 2 if self.config.error_feedback or self.config.lowrank_rank else 1  # the average (and a residual)
-        self.stats.outer_state_bytes = outer_state_bytes(self.fragments, results, self.buffers.tensors())
+        # An exchange's residual, and its average where no buffer of the pool holds it.
+        residuals = 1 if self.config.error_feedback or self.config.lowrank_rank else 0
+        averages = 0 if self.fragments and self.fragments[0].uses_buffers else 1
+        self.stats.outer_state_bytes = outer_state_bytes(self.fragments, residuals + averages, self.buffers.tensors())
 
     def _relative_drift(self) -> float:
         squared_diff, squared_norm = 0.0, 0.0

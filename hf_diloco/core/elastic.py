@@ -308,7 +308,12 @@ class ElasticRounds:
         )
         try:
             return engine.exchange.launch(
-                delta.cpu(), description, blocking=True, compressor=fragment.compressor, outer=outer
+                delta.cpu(),
+                description,
+                blocking=True,
+                compressor=fragment.compressor,
+                outer=outer,
+                out=fragment.average_buffer(),
             ).wait()
         except OuterSyncError as error:
             logger.warning("%s", error)
@@ -339,4 +344,5 @@ class ElasticRounds:
 def _completed_flight(flight: InFlight) -> dict:
     """An exchange that has completed (every exchange runs inline) but is applied later, as a healer receives it."""
     result = flight.pending.wait()
-    return {"apply_at": flight.apply_at, "average": result.average, "contributors": result.contributors}
+    # A copy: the average may be a view of a longer reused buffer, which pickling would send whole.
+    return {"apply_at": flight.apply_at, "average": result.average.clone(), "contributors": result.contributors}

@@ -226,6 +226,7 @@ class OuterExchange:
         context: dict | None = None,
         layout: ShardLayout | None = None,
         outer: OuterGroup | None = None,
+        out: torch.Tensor | None = None,
     ) -> PendingExchange:
         """Start averaging `vector`; with `compressor`, average its low-rank approximation instead.
 
@@ -233,9 +234,17 @@ class OuterExchange:
         `layout`: `vector` is this rank's owned share of a fragment (`shard.py`), and so is the average returned. Without
         it, `vector` is the same on every data-parallel rank of the worker, which split its averaging between them.
         `outer`: average over these workers instead of the topology's outer group.
+        `out`: a contiguous fp32 CPU tensor of `vector`'s length that the average is written into and returned as
+        (None: a fresh tensor). Decoding straight into memory already in use is several times cheaper than into a
+        fresh model-sized vector (`buffers.py`).
         """
         vector = vector.detach().to(torch.float32).contiguous()
-        job = _ExchangeJob(self, vector, compressor, context or {}, layout, outer)
+        if out is not None and (out.dtype != torch.float32 or out.shape != vector.shape or not out.is_contiguous()):
+            raise ValueError(
+                f"The average is written into a contiguous fp32 tensor of {vector.numel()} values, got {out.dtype} "
+                f"{tuple(out.shape)}."
+            )
+        job = _ExchangeJob(self, vector, compressor, context or {}, layout, outer, out)
         if blocking and self.inline_when_blocking:
             return PendingExchange.run_inline(job, description, self.timeout_seconds)
         if self._worker is None:
@@ -302,8 +311,10 @@ class _ExchangeJob:
         context: dict | None = None,
         layout: ShardLayout | None = None,
         outer: OuterGroup | None = None,
+        out: torch.Tensor | None = None,
     ):
         self.exchange = exchange
+        self.out = out
         topology = exchange.topology
         self.outer = outer or OuterGroup(topology.outer_group, topology.worker_index, topology.num_workers)
         self.counts_contributors = outer is not None
@@ -333,8 +344,10 @@ class _ExchangeJob:
             self.vector, self.owned = self._gather_shares(self.vector), False
         clipped = self._clip_outlier() if ex.clip_factor > 0 else False
         if self.compressor is None:
-            average, residual = self._average(self.vector, ex.codec, split=not self.owned)
-            return ExchangeResult(average, residual, self.sent, self.intra, clipped, contributors=self._counted())
+            average, residual = self._average(self.vector, ex.codec, split=not self.owned, out=self.out)
+            return ExchangeResult(
+                self._into_out(average), residual, self.sent, self.intra, clipped, contributors=self._counted()
+            )
         choice = self._decide() if ex.policy is not None else None
         codec = ex.codec_named(choice["compression"]) if choice else ex.codec
         # With data-parallel ranks inside a worker, each rank only knows the quantization residual of its own shard;
@@ -356,8 +369,22 @@ class _ExchangeJob:
             average_of_all = self.layout.take(average_of_all, ex.topology.dp_index)
             residual = None if residual is None else self.layout.take(residual, ex.topology.dp_index)
         return ExchangeResult(
-            average_of_all, residual, self.sent, self.intra, clipped, choice=choice, contributors=self._counted()
+            self._into_out(average_of_all),
+            residual,
+            self.sent,
+            self.intra,
+            clipped,
+            choice=choice,
+            contributors=self._counted(),
         )
+
+    def _into_out(self, average: torch.Tensor) -> torch.Tensor:
+        """The average in `out`, where the path that made it did not already write it there."""
+        if self.out is None:
+            return average
+        if average.data_ptr() != self.out.data_ptr():
+            self.out.copy_(average)
+        return self.out
 
     def _counted(self) -> int | None:
         return self.contributors if self.counts_contributors else None
@@ -412,9 +439,12 @@ class _ExchangeJob:
         self.intra += (topo.data_parallel_size - 1) * squared.nbytes
         return sum(parts).sqrt().float()
 
-    def _average(self, vector: torch.Tensor, codec: Codec, split: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _average(
+        self, vector: torch.Tensor, codec: Codec, split: bool, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Average one flat vector (see the module docstring); adds its bytes to `sent` / `intra`. With `split` the
-        vector is the same on every data-parallel rank: each averages 1/D of it and they all-gather the results."""
+        vector is the same on every data-parallel rank: each averages 1/D of it and they all-gather the results.
+        `out`: where the average may be decoded to when this rank averages the whole vector unpadded."""
         ex, topo = self.exchange, self.exchange.topology
         numel = vector.numel()
         shards, index = (topo.data_parallel_size, topo.dp_index) if split else (1, 0)
@@ -425,11 +455,12 @@ class _ExchangeJob:
             padded[:numel].copy_(vector)
             padded[numel:].zero_()
         my_shard = padded.chunk(shards)[index]
+        into = out if out is not None and my_shard.numel() == numel else None
         if self.outer.size == 1 or self.outer.group is None:
-            averaged_shard, residual, sent = my_shard.clone(), None, 0
+            averaged_shard, residual, sent = my_shard.clone() if into is None else into.copy_(my_shard), None, 0
         else:
             started = time.perf_counter()
-            averaged_shard, residual, sent = self._average_across_workers(my_shard, codec)
+            averaged_shard, residual, sent = self._average_across_workers(my_shard, codec, into)
             self.link_seconds += time.perf_counter() - started
             self.averaged_bound += ex.wire_bytes(numel, codec, shards, self.outer.size)
             self.averaged_sent += sent
@@ -482,11 +513,12 @@ class _ExchangeJob:
         return record
 
     def _average_across_workers(
-        self, shard: torch.Tensor, codec: Codec
+        self, shard: torch.Tensor, codec: Codec, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The average of `shard` over the workers (in `out` when given), what encoding it dropped, bytes sent."""
         workers, divisor = self.outer.size, max(1, self.contributors)
         if self.exchange.pattern == "all_gather":
-            return self._gather_contributions(shard, codec)
+            return self._gather_contributions(shard, codec, out)
         pool = self.exchange.coding_pool()
         chunks = shard.chunk(workers)
         chunk_numel = chunks[0].numel()
@@ -498,28 +530,32 @@ class _ExchangeJob:
         gathered, sent_back = self._all_to_all(
             [codec.encode(average, pool)] * workers, codec.encoded_nbytes(chunk_numel)
         )
-        return self._decoded(gathered, codec, shard.numel()), residual, sent + sent_back
+        return self._decoded(gathered, codec, shard.numel(), out), residual, sent + sent_back
 
     def _gather_contributions(
-        self, shard: torch.Tensor, codec: Codec
+        self, shard: torch.Tensor, codec: Codec, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """`pattern="all_gather"`: every worker's encoded shard to every worker, decoded and summed in worker order."""
         numel, workers, pool = shard.numel(), self.outer.size, self.exchange.coding_pool()
         encoded = codec.encode(shard, pool)
         residual = self._dropped(shard, [encoded], codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all([encoded] * workers, codec.encoded_nbytes(numel))
-        return codec.decode_sum(received, numel, pool).div_(max(1, self.contributors)), residual, sent
+        return codec.decode_sum(received, numel, pool, out).div_(max(1, self.contributors)), residual, sent
 
-    def _decoded(self, payloads: list[torch.Tensor], codec: Codec, numel: int) -> torch.Tensor:
-        """The payloads of consecutive equal parts of a vector of `numel` values, decoded into one fp32 vector."""
-        decoded = torch.empty(numel, dtype=torch.float32)
+    def _decoded(
+        self, payloads: list[torch.Tensor], codec: Codec, numel: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The payloads of consecutive equal parts of a vector of `numel` values, decoded into one fp32 vector
+        (`out`, or a fresh one)."""
+        decoded = torch.empty(numel, dtype=torch.float32) if out is None else out
         for part, payload in zip(decoded.chunk(len(payloads)), payloads):
             codec.decode(payload, part.numel(), out=part, pool=self.exchange.coding_pool())
         return decoded
 
     def _dropped(self, shard: torch.Tensor, encoded: list[torch.Tensor], codec: Codec) -> torch.Tensor:
         """What encoding the shard's consecutive equal parts as `encoded` dropped: shard - decoded, in fp32."""
-        return torch.sub(shard, self._decoded(encoded, codec, shard.numel()))
+        decoded = self._decoded(encoded, codec, shard.numel())
+        return torch.sub(shard, decoded, out=decoded)  # exactly overlapping: each value read before it is written
 
     def _all_to_all(self, payloads: list[torch.Tensor], nbytes: int) -> tuple[list[torch.Tensor], int]:
         """Send `payloads[j]` (uint8, `nbytes` each) to worker j; returns what every worker sent here and the bytes sent."""

@@ -142,9 +142,17 @@ class Fragment:
 
     def moved_from(self, start: torch.Tensor) -> torch.Tensor:
         """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU."""
-        if self.buffers is None or self.device.type != "cpu":
+        if not self.uses_buffers:
             return start - self.local().to(self.device)
         return self.values.read(out=self.buffers.take(sum(self.owned_sizes)), subtracted_from=start)
+
+    def average_buffer(self) -> torch.Tensor | None:
+        """Where the exchange writes this round's average: a buffer of `buffers` when θg lives on the CPU."""
+        return self.buffers.take(sum(self.owned_sizes)) if self.uses_buffers else None
+
+    @property
+    def uses_buffers(self) -> bool:
+        return self.buffers is not None and self.device.type == "cpu"
 
     def with_residual(self, delta: torch.Tensor) -> torch.Tensor:
         if self.residual is not None:
