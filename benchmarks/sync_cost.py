@@ -9,7 +9,7 @@ many parameters, as 1024-row matrices):
 
 - `flatten`, `pseudo-gradient`, `unflatten`, `outer step`: a `Fragment` over the whole model (`local()`,
   `pseudo_gradient(θg)`, `write_local(θg)`, `outer_step(average)` with Nesterov SGD, momentum 0.9), with the
-  engine's reused pseudo-gradient buffers (`BufferPool`);
+  engine's reused buffers (`BufferPool`);
 - `encode`, `decode` of every codec (into a vector already in memory: the exchange decodes the round's average into
   the engine's reused buffer), and `sum` (`decode_sum` of M = 2 payloads of half the model each: what a rank sums in
   the default `reduce_scatter` exchange), with a `coding_pool` of the thread count;

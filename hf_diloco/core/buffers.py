@@ -2,12 +2,12 @@
 
 A vector larger than glibc's mmap threshold (32 MB, 8 M fp32 values) comes in fresh pages every time it is
 allocated, and the kernel maps and zeroes each page on first touch: writing a fresh 128 MB vector costs several times
-the CPU of writing the same bytes into a buffer already in memory. A round's pseudo-gradient is such a vector, made
-once per round per fragment.
+the CPU of writing the same bytes into a buffer already in memory. A round's pseudo-gradient and the average the
+exchange decodes are such vectors, made once per round per fragment.
 
 A buffer is handed out as a view of its own storage and is reused only once no tensor refers to that storage any more:
-the exchange in flight, `InFlight.sent` (kept for a round by the delayed and eager modes), a checkpoint's state dict or
-an observer's `RoundRecord` each keep it taken for as long as they hold it, so reuse never changes a value anyone can
+the exchange in flight, `InFlight.sent` and a completed average (kept for a round by the delayed and eager modes), a
+checkpoint's state dict or an observer's `RoundRecord` each keep it taken for as long as they hold it, so reuse never changes a value anyone can
 still read. What the pool keeps between rounds is memory the engine holds (`outer_state_bytes` counts it). A vector
 handed out may be a view of a longer buffer: whoever saves one keeps a copy (`torch.save` writes a view's whole
 storage), as the checkpoint does.

@@ -38,7 +38,7 @@ class EngineStats(Mapping):
             updated parameters and of low-rank pseudo-gradients, and the small agreements on each round.
         outer_state_bytes: bytes of everything the engine holds on this rank beyond the model and the inner optimizer
             (θg, outer optimizer state, eager's trajectory and its state, residuals, low-rank warm starts, buffers of
-            exchanges in flight, the reused pseudo-gradient buffers), after the last `step()`; with D data-parallel
+            exchanges in flight, the reused pseudo-gradient and average buffers), after the last `step()`; with D data-parallel
             ranks per worker about 1/D of D = 1's.
         sync_wait_seconds: time the training loop waited for exchanges.
         skipped_nonfinite: rounds skipped on every worker because their average was not finite.
