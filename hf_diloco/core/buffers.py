@@ -7,10 +7,10 @@ exchange decodes are such vectors, made once per round per fragment.
 
 A buffer is handed out as a view of its own storage and is reused only once no tensor refers to that storage any more:
 the exchange in flight, `InFlight.sent` and a completed average (kept for a round by the delayed and eager modes), a
-checkpoint's state dict or an observer's `RoundRecord` each keep it taken for as long as they hold it, so reuse never changes a value anyone can
-still read. What the pool keeps between rounds is memory the engine holds (`outer_state_bytes` counts it). A vector
-handed out may be a view of a longer buffer: whoever saves one keeps a copy (`torch.save` writes a view's whole
-storage), as the checkpoint does.
+checkpoint's state dict or an observer's `RoundRecord` each keep it taken for as long as they hold it, so reuse never
+changes a value anyone can still read. What the pool keeps between rounds is memory the engine holds
+(`outer_state_bytes` counts it). A vector handed out may be a view of a longer buffer: whoever saves or sends one keeps
+a copy (`torch.save` and pickling write a view's whole storage), as the checkpoint and the elastic heal do.
 """
 
 from __future__ import annotations
