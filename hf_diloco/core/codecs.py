@@ -118,6 +118,14 @@ def _pieces(numel: int, align: int) -> list[tuple[int, int]]:
     return [(start, min(numel, start + step)) for start in range(0, numel, step)]
 
 
+def check_output_vector(out: torch.Tensor | None, numel: int, what: str) -> None:
+    """Refuse an `out` that is not a contiguous 1-D fp32 tensor of `numel` values (`what` begins the message)."""
+    if out is not None and (out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous()):
+        raise ValueError(
+            f"{what} into a contiguous fp32 tensor of {numel} values, got {out.dtype} {tuple(out.shape)}."
+        )
+
+
 def _for_each_piece(work: Callable[[int, int], object], pieces: Sequence[tuple[int, int]], pool: Executor | None):
     if pool is None or len(pieces) < 2:
         for start, stop in pieces:
@@ -213,10 +221,7 @@ class Codec:
 
     @staticmethod
     def _check_out(out: torch.Tensor | None, numel: int) -> None:
-        if out is not None and (out.dtype != torch.float32 or out.shape != (numel,) or not out.is_contiguous()):
-            raise ValueError(
-                f"decode writes into a contiguous fp32 tensor of {numel} values, got {out.dtype} {tuple(out.shape)}."
-            )
+        check_output_vector(out, numel, "decode writes")
 
     def _encode_piece(self, values: torch.Tensor, start: int, stop: int, payload: torch.Tensor) -> None:
         """Write the payload bytes of `values[start:stop]` (contiguous fp32) into `payload`."""

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .adaptive import CompressionPolicy, Observation
-from .codecs import COMPRESSIONS, Codec, coding_pool
+from .codecs import COMPRESSIONS, Codec, check_output_vector, coding_pool
 from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
 from .shard import ShardLayout
@@ -239,11 +239,7 @@ class OuterExchange:
         fresh model-sized vector (`buffers.py`).
         """
         vector = vector.detach().to(torch.float32).contiguous()
-        if out is not None and (out.dtype != torch.float32 or out.shape != vector.shape or not out.is_contiguous()):
-            raise ValueError(
-                f"The average is written into a contiguous fp32 tensor of {vector.numel()} values, got {out.dtype} "
-                f"{tuple(out.shape)}."
-            )
+        check_output_vector(out, vector.numel(), "The average is written")
         job = _ExchangeJob(self, vector, compressor, context or {}, layout, outer, out)
         if blocking and self.inline_when_blocking:
             return PendingExchange.run_inline(job, description, self.timeout_seconds)
