@@ -80,7 +80,7 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
         f"{_count(workers * topology.data_parallel_size * topology.pipeline_stages, 'process')}"
     )
     schedule = (
-        f"H={config.inner_steps}, P={config.num_fragments}, tau={config.sync_delay}, overlap={config.overlap}, "
+        f"H={config.inner_steps}, P={config.num_fragments}, tau={config.sync_delay}, overlap={overlap_label(config)}, "
         f"compression={config.compression}{' (adaptive)' if config.adaptive_compression else ''}"
     )
     rounds = f"{total_steps // config.inner_steps} outer round(s) in {total_steps} {steps_label}"
@@ -95,6 +95,13 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
         elif config.lowrank_rank or config.entropy_coding:
             traffic = "at most " + traffic
     return f"DiLoCo run: {grid}; {schedule}; {traffic}; {rounds}."
+
+
+def overlap_label(config) -> str:
+    """The overlap mode as a user should read it: streaming with tau = 0 hides nothing, every exchange blocks."""
+    if config.overlap == "streaming" and config.sync_delay == 0:
+        return "none (each exchange blocks)"
+    return config.overlap
 
 
 def _count(number: int, noun: str) -> str:

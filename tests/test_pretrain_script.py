@@ -178,6 +178,7 @@ def test_pretrain_single_process(one_process):
     _assert_card_quotes_all_results(output_dir)
     assert (output_dir / "checkpoint-4" / "diloco_state_rank0.pt").is_file()
     assert "DiLoCo run: 1 worker x 1 data-parallel rank x 1 pipeline stage = 1 process; H=4" in result.stderr
+    assert "tau=0, overlap=none (each exchange blocks)" in result.stderr  # streaming with tau = 0 hides nothing
 
 
 @pytest.mark.timeout(480)
