@@ -14,7 +14,7 @@ $(BIN)/activate:
 
 # Reinstalled whenever pyproject.toml changes (new dependencies, the hf-diloco command).
 $(VENV)/.installed: pyproject.toml $(BIN)/activate
-	$(BIN)/pip install -e ".[dev,plots,trl,elastic]"
+	$(BIN)/pip install -e ".[dev,plots,trl,elastic,peft]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_diloco.model_card import has_diloco_tag
 from tests.test_dropin import DILOCO, STEPS, H, _best_step, _params, _run
+
+PeftModel = pytest.importorskip("peft", reason="LoRA needs the peft extra: pip install 'hf_diloco[peft]'").PeftModel
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, RANK = 32, 2, 4, 2, 4  # the script's model and LoRA settings
 

@@ -10,11 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from trl import SFTConfig, SFTTrainer  # an optional dependency: pip install "hf_diloco[trl]" (make setup does)
 
 from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import run_on_processes
 from tests.engine_common import tiny_llama
+
+trl = pytest.importorskip(
+    "trl", reason="TRL is an optional dependency: pip install 'hf_diloco[trl]' (make setup does)"
+)
+SFTConfig, SFTTrainer = trl.SFTConfig, trl.SFTTrainer
 
 VOCAB, SEQ, ROWS, BATCH, H, STEPS = 320, 16, 64, 2, 2, 4
 
