@@ -373,7 +373,8 @@ def _bullet_list(values: Mapping[str, Any] | None) -> str:
 def _tokens(value: int | None) -> str:
     if not value:
         return "not counted (set `include_num_input_tokens_seen` to count them)"
-    return f"{int(value):,}"
+    # The Trainer's `num_input_tokens_seen` (logs, all_results.json) counts one worker's tokens; the card counts all.
+    return f"{int(value):,}, all workers together (`num_input_tokens_seen` in the logs counts one worker's)"
 
 
 def _number(value: Any) -> str:

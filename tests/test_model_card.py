@@ -209,7 +209,7 @@ def test_training_procedure_sections():
     )
     assert "- learning_rate: 0.001" in card and "- train_batch_size: 8" in card
     assert "| 6.5 | 0.1 | 4 | 6.25 |" in card
-    assert "Tokens trained on: 1,234,567." in card
+    assert "Tokens trained on: 1,234,567, all workers together (`num_input_tokens_seen` in the logs counts one" in card
     assert "- Transformers: " in card and "- PyTorch: " in card and "- hf_diloco: " in card
 
 
@@ -253,7 +253,7 @@ def test_trainer_card_quotes_the_evaluation_of_the_saved_weights(tmp_path):
     card = (tmp_path / "out" / "README.md").read_text()
     quoted = {m["name"]: m["value"] for m in _front_matter(card)["model-index"][0]["results"][0]["metrics"]}
     assert quoted == {"eval_loss": metrics["eval_loss"], "eval_perplexity": 99.5}
-    assert "Tokens trained on: 96." in card  # 6 steps x 2 rows x 8 tokens, one worker
+    assert "Tokens trained on: 96, all workers together" in card  # 6 steps x 2 rows x 8 tokens, one worker
     assert 'from_pretrained("' + str(tmp_path / "out") + '")' in card
     assert "- training_steps: 6" in card
 
