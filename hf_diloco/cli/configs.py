@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import textwrap
 from collections.abc import Sequence
 
 from ..core.config import DiLoCoConfig
@@ -32,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(shipped_config_text(args.name), end="")
     else:
         for name in shipped_config_names():
-            print(f"{name:20s} {_summary(shipped_config_text(name))}")
+            print(_listing_entry(name, _summary(shipped_config_text(name))))
     return 0
 
 
@@ -47,6 +49,20 @@ def diloco_fields_table() -> str:
 
 
 def _summary(text: str) -> str:
-    """The first comment line of a config."""
-    first = next((line for line in text.splitlines() if line.startswith("#")), "# ")
-    return first.lstrip("# ").strip()
+    """The first sentence of a config's opening comment, however many lines it spans (never cut mid-sentence)."""
+    words = []
+    for line in text.splitlines():
+        if not line.startswith("#") or line.startswith("#  "):  # the comment ends, or a command line starts
+            break
+        words.append(line.lstrip("#").strip())
+    paragraph = " ".join(words)
+    end = re.search(
+        r"(?<!\bal)\.(?=\s+[A-Z0-9]|$)", paragraph
+    )  # a full stop before a capital or digit; "et al." is none
+    sentence = paragraph[: end.start()] if end else paragraph.rstrip(":")
+    return sentence + "."
+
+
+def _listing_entry(name: str, summary: str, width: int = 119) -> str:
+    """`name` then its summary, wrapped under the summary's column."""
+    return textwrap.fill(summary, width, initial_indent=f"{name:20s} ", subsequent_indent=" " * 21)
