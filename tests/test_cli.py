@@ -45,6 +45,11 @@ def test_every_command_help_formats():
     for flag in ("--config", "--trainer", "--auto_resume [{true,false}]", "--data.block_size", "--model.config.FIELD"):
         assert flag in pretrain, flag
     assert "(config: 256)" in pretrain  # the config's value of data.block_size
+    # What a user looks for comes first: the config, its sections, the DiLoCo keys, then the Trainer's many keys.
+    assert len(pretrain.split("\n\n")[0].splitlines()) == 1, "a one-line usage, not every flag"
+    order = ["--config CONFIG", "--data.block_size", "The diloco: section", "--inner_steps", "The training: section"]
+    assert [pretrain.index(text) for text in order] == sorted(pretrain.index(text) for text in order)
+    assert pretrain.index("--inner_steps") < pretrain.index("--learning_rate")
     for module in (push, plot, configs):
         assert module.build_parser().format_help().startswith(f"usage: hf-diloco {module.__name__.split('.')[-1]}")
 

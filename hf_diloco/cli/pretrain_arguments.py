@@ -117,6 +117,7 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
     parser = HfArgumentParser(
         DiLoCoTrainingArguments if use_diloco else BaselineTrainingArguments,
         prog="hf-diloco pretrain",
+        usage="hf-diloco pretrain [--config CONFIG] [--KEY VALUE ...] (every key of the config is a flag, below)",
         description=_description(config),
     )
     diloco, _ = diloco_defaults(config, trainer, os.environ if environ is None else environ)
@@ -126,7 +127,25 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
         if action.dest in defaults:
             action.required = False
     _add_config_flags(parser, config)
+    _order_help(parser)
     return parser
+
+
+def _order_help(parser: argparse.ArgumentParser) -> None:
+    """--help as a user reads it: the config and its sections first, then the DiLoCo keys, then the Trainer's.
+
+    Only the grouping of the help text changes; parsing reads `parser._actions`, which stays as it was."""
+    options, diloco_keys = parser._optionals, {f"--{name}" for name in diloco_field_names()}
+    diloco = argparse._ArgumentGroup(
+        parser, "The diloco: section of the config (DiLoCoConfig; DILOCO_* variables too)"
+    )
+    training = argparse._ArgumentGroup(parser, "The training: section of the config (transformers' TrainingArguments)")
+    for action in list(options._group_actions):
+        if action.dest != "help":
+            options._group_actions.remove(action)
+            (diloco if diloco_keys & set(action.option_strings) else training)._group_actions.append(action)
+    # argparse prints the groups in their list's order: options (now --help alone), the config's own, then these.
+    parser._action_groups.extend(group for group in (diloco, training) if group._group_actions)
 
 
 def diloco_defaults(
