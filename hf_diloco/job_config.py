@@ -39,8 +39,7 @@ __all__ = [
     "shipped_config_text",
 ]
 
-SHIPPED_CONFIGS_PACKAGE = "hf_diloco"
-SHIPPED_CONFIGS_FOLDER = "configs"
+SHIPPED_CONFIGS_PACKAGE = "hf_diloco.configs"  # the repository's top-level configs/ (pyproject.toml's package-dir)
 TRAINERS = ("diloco", "ddp")
 SECTIONS = ("model", "tokenizer", "data", "training", "diloco")
 TOP_LEVEL_KEYS = ("trainer", *SECTIONS, "auto_resume")
@@ -70,7 +69,7 @@ class LoadedConfig:
 
 def shipped_config_names() -> list[str]:
     """Names of the configs shipped inside the package (`tiny_diloco`, `streaming_diloco`, ...)."""
-    folder = resources.files(SHIPPED_CONFIGS_PACKAGE).joinpath(SHIPPED_CONFIGS_FOLDER)
+    folder = resources.files(SHIPPED_CONFIGS_PACKAGE)
     return sorted(entry.name[: -len(".yaml")] for entry in folder.iterdir() if entry.name.endswith(".yaml"))
 
 
@@ -79,7 +78,7 @@ def shipped_config_text(name: str) -> str:
     stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
     if stem not in shipped_config_names():
         raise ValueError(_not_found_message(name))
-    return resources.files(SHIPPED_CONFIGS_PACKAGE).joinpath(SHIPPED_CONFIGS_FOLDER, f"{stem}.yaml").read_text()
+    return resources.files(SHIPPED_CONFIGS_PACKAGE).joinpath(f"{stem}.yaml").read_text()
 
 
 def read_config(name_or_path: str | os.PathLike) -> LoadedConfig:

@@ -1,8 +1,8 @@
 """Model cards for models trained with hf_diloco.
 
-`render_model_card` fills `hf_diloco/model_cards/diloco_model_card.md` (a `string.Template`) with the DiLoCo
-settings, the data and the communication the run measured, next to what plain data-parallel training would have
-sent; `write_model_card` saves it as the folder's `README.md`. The YAML front matter comes from
+`render_model_card` fills the repository's `model_cards/diloco_model_card.md` (a `string.Template`, installed as
+`hf_diloco.model_cards`) with the DiLoCo settings, the data and the communication the run measured, next to what
+plain data-parallel training would have sent; `write_model_card` saves it as the folder's `README.md`. The YAML front matter comes from
 `huggingface_hub.ModelCardData` and carries the `diloco` tag. Nothing here touches the network.
 """
 
@@ -37,8 +37,8 @@ _TIMING_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second")
 
 
 def template_text() -> str:
-    """The model card template shipped inside the package."""
-    return resources.files("hf_diloco").joinpath("model_cards", TEMPLATE_NAME).read_text(encoding="utf-8")
+    """The model card template shipped with the package (the repository's model_cards/)."""
+    return resources.files("hf_diloco.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
 
 
 def ddp_allreduce_bytes(num_parameters: int, num_workers: int, steps: int) -> int:

@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL_RUN = [
@@ -78,6 +79,17 @@ def test_wheel_holds_the_command_configs_and_templates(wheel):
     assert "hf_diloco/metrics/perplexity/perplexity.py" in names
     [entry_points] = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
     assert "hf-diloco = hf_diloco.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    # The configs and the card template come from the repository's top-level folders, their single source.
+    for folder in ("configs", "model_cards"):
+        shipped = {name.split("/")[-1] for name in names if name.startswith(f"hf_diloco/{folder}/")}
+        assert shipped == {path.name for path in (ROOT / folder).iterdir() if path.is_file()}, folder
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    """pyproject.toml names the packages (it maps configs/ and model_cards/ into hf_diloco): none may be missed."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "hf_diloco").rglob("*.py")}
+    assert listed == folders | {"hf_diloco.configs", "hf_diloco.model_cards"}
 
 
 @pytest.mark.timeout(600)
