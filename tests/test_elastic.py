@@ -183,7 +183,8 @@ def test_a_killed_worker_is_dropped_mid_exchange_and_rejoins(job):
     job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
     restarted = time.time()
     job.start(2, "--min_workers", "2")  # the same replica name and slot, a new process
-    job.wait_for("worker2", lambda e: e["kind"] == "starting" and e["time"] > restarted, timeout=120)
+    # Released once the new process heartbeats to the Lighthouse, the others' next quorum waits for it.
+    job.wait_for("worker2", lambda e: e["kind"] == "bound" and e["time"] > restarted, timeout=120)
     go.touch()
     codes = job.finish()
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
@@ -262,7 +263,8 @@ def test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join(job, mode)
     job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
     restarted = time.time()
     job.start(2, *codec, "--min_workers", "2")
-    job.wait_for("worker2", lambda e: e["kind"] == "starting" and e["time"] > restarted, timeout=120)
+    # Released once the new process heartbeats to the Lighthouse, the others' next quorum waits for it.
+    job.wait_for("worker2", lambda e: e["kind"] == "bound" and e["time"] > restarted, timeout=120)
     go.touch()
     codes = job.finish()
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}

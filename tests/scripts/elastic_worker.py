@@ -86,6 +86,15 @@ def main() -> None:
         connect_timeout=20.0,
         poll_seconds=0.5,
     )
+    bind = membership.bind
+
+    def bind_and_say(*args: object, **kwargs: object) -> None:
+        # From here on the Manager heartbeats to the Lighthouse, which then waits for this worker before it forms
+        # the next quorum: a test that releases the others after this event knows they will find this worker.
+        bind(*args, **kwargs)
+        event(kind="bound", step=0)
+
+    membership.bind = bind_and_say
     started = time.time()
     event(kind="starting", step=0)
     engine = DiLoCo(model, optimizer, config, membership=membership)
