@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= tiny_diloco
 
-.PHONY: setup run run-multi test lint bench clean
+.PHONY: setup run run-multi test test-fast lint bench clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ run-multi: setup
 
 test: setup
 	$(BIN)/python -m pytest tests
+
+# The inner loop of a change: everything but the end-to-end (`slow`) and elastic tiers (tests/conftest.py).
+test-fast: setup
+	$(BIN)/python -m pytest tests -m "not slow and not elastic"
 
 lint: setup
 	$(BIN)/ruff check hf_diloco scripts benchmarks tests
