@@ -99,6 +99,20 @@ def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: int
     return results
 
 
+def hold_output_folder_in_a_process(folder: Path) -> subprocess.Popen:
+    """A real process holding `folder`'s output-folder lock until its stdin closes (or it is killed)."""
+    code = (
+        "import sys; from hf_diloco.integrations.output_lock import acquire_output_folder; "
+        "acquire_output_folder(sys.argv[1]); print('held', flush=True); sys.stdin.readline()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=_environment(),
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def _snapshot(folder: Path) -> dict[Path, tuple[int, int]]:
     return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*") if path.is_file()}
 
@@ -323,16 +337,25 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
         "tokenizer": (["--output_dir", str(existing), "--tokenizer.vocab_size", "600", "--max_steps", "12"], {},
                       r"This run's tokenizer in .*existing/tokenizer was trained with `tokenizer:` .*'vocab_size': "
                       r"512.*but the config now says .*'vocab_size': 600"),
+        "locked": ([], {}, r"The output folder .*locked is in use by another job: pid \d+ on host .*Wait for it to "
+                   r"finish .*or give this run its own folder with --output_dir"),
     }  # fmt: skip
     before = _snapshot(existing)
     commands = []
     for name, (flags, env, _) in cases.items():
         output = ["--output_dir", str(tmp_path / name)] if "--output_dir" not in flags else []
         commands.append(([sys.executable, str(SCRIPT), "--config", str(config), *output, *flags], env))
-    for (name, (_, _, expected)), (returncode, stderr) in zip(cases.items(), _run_together(commands)):
+    holder = hold_output_folder_in_a_process(tmp_path / "locked")  # another job's lock on the folder
+    try:
+        results = _run_together(commands)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    for (name, (_, _, expected)), (returncode, stderr) in zip(cases.items(), results):
         assert returncode != 0, name
         assert re.search(expected, stderr), f"{name}: {stderr[-3000:]}"
         assert not (tmp_path / name / "tokenizer").exists(), name
+    assert f"pid {holder.pid} on host" in results[list(cases).index("locked")][1]
     assert _snapshot(existing) == before
 
 

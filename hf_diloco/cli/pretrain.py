@@ -29,6 +29,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
+from ..integrations.output_lock import hold_output_folder
 from ..job_config import LoadedConfig
 from ..run_summary import check_processes_joined
 from .pretrain_arguments import parse_command_line
@@ -47,12 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args)
     use_diloco = config.trainer == "diloco"
     check_before_building(config, args, use_diloco)
+    points = JobGlobalPoints.of(args)
+    # One job per folder: taken before the folder is read for a checkpoint or written, held until the job exits.
+    hold_output_folder(args.output_dir, args.process_index == 0, points.group, points.timeout_seconds, points.bound)
     resume = args.resume_from_checkpoint
     if resume is None and command_line.auto_resume:
         resume = checkpoint_to_resume_from(args.output_dir, use_diloco)
     if resume is not None:
         check_resumable(resume, args, use_diloco)
-    points = JobGlobalPoints.of(args)
     if resume is not None and not use_diloco and _baseline_run_finished(resume, args):
         say_run_finished(args, resume)
     else:
