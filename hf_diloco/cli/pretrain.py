@@ -11,8 +11,9 @@ where it stopped). `hf-diloco pretrain --help` lists every flag.
 
 What the job guarantees: everything that can be checked without data is checked first (the config, every DiLoCo
 value, the worker layout, the model's positions against `data.block_size`, the checkpoint to resume from); the run's
-tokenizer is fixed at its first start (`output_dir/tokenizer`); every rank must have built the same tokenizer and
-data; a finished run's folder is left as it is; and every wait for the other ranks is bounded.
+tokenizer is fixed at its first start that trains (`output_dir/tokenizer`); every rank must have built the same tokenizer and
+data; a finished run's folder is left as it is; one job at a time uses an output folder (a lock,
+`hf_diloco.integrations.output_lock`); and every wait for the other ranks is bounded.
 """
 
 from __future__ import annotations
@@ -125,8 +126,14 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
         final model is in the folder already (then nothing is written).
     """
 
-    from ..checkpointing import final_model_matches_checkpoint
-    from ..data import check_enough_blocks, dataset_fingerprint, set_model_max_length, tokenizer_fingerprint
+    from ..checkpointing import final_model_matches_checkpoint, refuse_a_damaged_final_model
+    from ..data import (
+        check_enough_blocks,
+        dataset_fingerprint,
+        keep_run_tokenizer,
+        set_model_max_length,
+        tokenizer_fingerprint,
+    )
     from ..modeling import build_model
     from ..trainer import DiLoCoTrainer
 
@@ -155,10 +162,21 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
             trainer.require_agreement(name, value)
     else:
         points.check_agree(inputs)
+    if args.process_index == 0:  # training starts: the tokenizer is this run's for good (see load_or_train_tokenizer)
+        keep_run_tokenizer(run_tokenizer_folder(args))
     train_result = trainer.train(resume_from_checkpoint=resume)
-    if getattr(trainer, "resumed_a_finished_run", False) and final_model_matches_checkpoint(args.output_dir, resume):
-        say_run_finished(args, resume)
-        return None
+    if getattr(trainer, "resumed_a_finished_run", False):
+        if final_model_matches_checkpoint(args.output_dir, resume):
+            say_run_finished(args, resume)
+            return None
+        # The job stopped before its final save (the final model is absent): save it now, never over a damaged one.
+        refuse_a_damaged_final_model(args.output_dir, resume)
+        if args.process_index == 0:
+            print(
+                f"{args.output_dir} holds a finished run without its final model: saving {Path(resume).name}'s "
+                "model, its evaluation and card (nothing is trained).",
+                file=sys.stderr,
+            )
     # The final weights are evaluated before they are saved, so the card in the folder quotes their numbers.
     eval_metrics = trainer.evaluate()
     eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
@@ -198,8 +216,8 @@ def build_trainer(config: LoadedConfig, args: Any, model: Any, tokenizer: Any, b
 
 def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
     """
-    Load the corpus, fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, then
-    loaded from there at every start) and pack the text into blocks.
+    Load the corpus, fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, kept
+    once training starts, then loaded from there at every start) and pack the text into blocks.
     """
     from ..data import load_or_train_tokenizer, load_text_dataset, tokenize_and_group
 
@@ -207,7 +225,10 @@ def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
     raw = load_text_dataset(data_spec)
     with points.main_process_first(args.process_index == 0, "the run's tokenizer (trained or loaded by rank 0 first)"):
         tokenizer = load_or_train_tokenizer(
-            Path(args.output_dir) / "tokenizer", config.section("tokenizer"), raw["train"]["text"]
+            run_tokenizer_folder(args),
+            config.section("tokenizer"),
+            raw["train"]["text"],
+            retrain_provisional=args.process_index == 0,
         )
     blocks = tokenize_and_group(
         raw,
@@ -217,6 +238,11 @@ def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
         group_batch_size=data_spec.get("group_batch_size", 1000),
     )
     return tokenizer, blocks
+
+
+def run_tokenizer_folder(args: Any) -> Path:
+    """Where the run keeps the tokenizer it trains: `output_dir/tokenizer`."""
+    return Path(args.output_dir) / "tokenizer"
 
 
 def _block_size(config: LoadedConfig) -> int:
