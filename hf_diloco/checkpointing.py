@@ -261,6 +261,26 @@ def final_model_matches_checkpoint(output_dir: str | os.PathLike, checkpoint: st
     return True
 
 
+def refuse_a_damaged_final_model(output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
+    """Before a finished run's final model is saved again from its last `checkpoint`: raise `CheckpointError` when
+    `output_dir` holds a weight file of that model that differs from the checkpoint's (truncated, corrupt or
+    replaced), naming it, instead of overwriting it. Absent files (the job stopped before its final save) pass."""
+    weights = {name: entry for name, entry in _manifest_files(Path(checkpoint)).items() if _WEIGHT_FILE_RE.match(name)}
+    for name, expected in weights.items():
+        path = Path(output_dir) / name
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        if size == expected["size"] and _sha256(path) == expected["sha256"]:
+            continue
+        what = f"{size} bytes, the checkpoint's {expected['size']}" if size != expected["size"] else "other bytes"
+        raise CheckpointError(
+            f"{path} is not the final model of this finished run ({what}): it is truncated, corrupt or was replaced. "
+            f"Nothing was written. To write the run's final model again from {Path(checkpoint).name}, move that file "
+            f"aside (e.g. to {name}.damaged) and rerun; to keep it, use another --output_dir."
+        )
+
+
 def _manifest_files(folder: Path) -> dict[str, dict[str, Any]]:
     """The manifest's `files` mapping, checked for shape; `CheckpointError` when missing or malformed."""
     manifest_path = folder / MANIFEST_NAME

@@ -22,6 +22,7 @@ import codecs
 import glob
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -41,6 +42,8 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 from .core.config import check_known_keys
 from .modeling import check_vocab_size, model_positions
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "DATA_SPEC_KEYS",
     "EOS_TOKEN",
@@ -49,6 +52,7 @@ __all__ = [
     "check_enough_blocks",
     "check_vocab",
     "dataset_fingerprint",
+    "keep_run_tokenizer",
     "load_or_train_tokenizer",
     "load_text_dataset",
     "set_model_max_length",
@@ -84,7 +88,8 @@ DATA_SPEC_KEYS = frozenset(
     }
 )
 TOKENIZER_SPEC_KEYS = frozenset({"path", "vocab_size", "min_frequency", "max_train_samples"})
-# Written next to a tokenizer that `load_or_train_tokenizer` trained: the `tokenizer:` section and the fingerprint.
+# Written next to a tokenizer that `load_or_train_tokenizer` trained: the `tokenizer:` section, the fingerprint and,
+# until its run starts training (`keep_run_tokenizer`), `provisional: true`.
 TOKENIZER_RECORD_NAME = "hf_diloco_tokenizer.json"
 
 # Builders that read UTF-8 text files, whose files are checked before loading; compressed files are left to them.
@@ -536,37 +541,52 @@ def _subset(dataset: Dataset, max_samples: int | None, seed: int) -> Dataset:
 
 
 def load_or_train_tokenizer(
-    folder: str | os.PathLike, spec: Mapping[str, Any] | None, texts: Iterable[str]
+    folder: str | os.PathLike, spec: Mapping[str, Any] | None, texts: Iterable[str], retrain_provisional: bool = True
 ) -> PreTrainedTokenizerBase:
     """
-    The run's tokenizer, fixed at its first start: trained (`build_tokenizer`) and saved to `folder` once, then
-    loaded from there at every later start (a resume, a restart, another worker on the shared disk), never retrained
-    or overwritten, so token ids keep their meaning when the data changes.
+    The run's tokenizer, fixed once its run has started training: trained (`build_tokenizer`) and saved to `folder`
+    as provisional, kept for good by `keep_run_tokenizer` when training starts, then loaded from there at every
+    later start (a resume, a restart, another worker on the shared disk), never retrained or overwritten, so token
+    ids keep their meaning when the data changes. A provisional tokenizer (its start stopped before training, e.g.
+    on a refused corpus) is trained again from the texts and section of this start, so a corrected re-run never
+    inherits the failed start's tokenizer.
 
     Args:
         folder (`str` or `os.PathLike`): where the run keeps its tokenizer (e.g. `output_dir/tokenizer`).
         spec (`Mapping[str, Any]`, *optional*): the `tokenizer:` section (see `build_tokenizer`). With `path`, that
             tokenizer is loaded from where it is and `folder` is not used.
         texts (`Iterable[str]`): the training documents, read only when the tokenizer is trained.
+        retrain_provisional (`bool`, *optional*, defaults to `True`): train a provisional tokenizer again. Only the
+            process that trains first (rank 0) may: the others of the same start load what it wrote.
 
     Returns:
         `PreTrainedTokenizerBase`: the tokenizer.
 
     Raises:
-        `ValueError`: when `folder` holds a tokenizer trained with another `tokenizer:` section, or files that no
-            longer match the tokenizer that was trained there (the message says what to do).
+        `ValueError`: when `folder` holds a kept tokenizer trained with another `tokenizer:` section, or files that
+            no longer match the tokenizer that was trained there (the message says what to do).
     """
     spec = dict(spec or {})
     check_known_keys(spec, sorted(TOKENIZER_SPEC_KEYS), "the tokenizer: section")
     if spec.get("path"):
         return build_tokenizer(spec, texts)
     folder = Path(folder)
+    replaced = None
     if folder.exists():
-        return _load_fixed_tokenizer(folder, spec)
+        record = _tokenizer_record(folder)
+        if not (retrain_provisional and (record or {}).get("provisional")):
+            return _load_fixed_tokenizer(folder, spec)
+        logger.warning(
+            "%s holds a tokenizer from a start that stopped before training; training this run's tokenizer again "
+            "from this start's data and tokenizer: section.",
+            folder,
+        )
+        replaced = folder.with_name(f".{folder.name}.replaced-{os.getpid()}")
+        os.rename(folder, replaced)
     tokenizer = build_tokenizer(spec, texts)
     staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     tokenizer.save_pretrained(staging)
-    record = {"tokenizer_section": spec, "fingerprint": tokenizer_fingerprint(tokenizer)}
+    record = {"tokenizer_section": spec, "fingerprint": tokenizer_fingerprint(tokenizer), "provisional": True}
     (staging / TOKENIZER_RECORD_NAME).write_text(json.dumps(record, indent=1, sort_keys=True))
     try:
         os.rename(staging, folder)
@@ -574,7 +594,28 @@ def load_or_train_tokenizer(
         # Another process published the tokenizer first: use that one.
         shutil.rmtree(staging, ignore_errors=True)
         return _load_fixed_tokenizer(folder, spec)
+    finally:
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
     return tokenizer
+
+
+def keep_run_tokenizer(folder: str | os.PathLike) -> None:
+    """Mark the provisional tokenizer `load_or_train_tokenizer` trained in `folder` as the run's for good (call it
+    when training starts, on the process that trained it); nothing when it is kept already or `folder` holds none."""
+    folder = Path(folder)
+    record = _tokenizer_record(folder)
+    if not (record or {}).get("provisional"):
+        return
+    record.pop("provisional")
+    staging = folder / f".{TOKENIZER_RECORD_NAME}.tmp-{os.getpid()}"
+    staging.write_text(json.dumps(record, indent=1, sort_keys=True))
+    os.replace(staging, folder / TOKENIZER_RECORD_NAME)
+
+
+def _tokenizer_record(folder: Path) -> dict | None:
+    path = folder / TOKENIZER_RECORD_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:

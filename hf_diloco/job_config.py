@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from .core.config import check_known_keys, diloco_field_names
+from .core.config import check_known_keys, describe_yaml_error, diloco_field_names, load_yaml_strictly
 
 __all__ = [
     "SECTIONS",
@@ -130,17 +130,15 @@ def parse_config_text(text: str, source: str) -> dict[str, Any]:
         source (`str`): the file (or shipped config) it came from, named in every message.
 
     Raises:
-        `ValueError`: on a YAML syntax error (naming the line and column), a YAML tag (only plain YAML is read), an
+        `ValueError`: on a YAML syntax error or a key written twice in one mapping, a duplicate section included
+            (naming the line and column), a YAML tag (only plain YAML is read), an
             empty text (which would otherwise run the whole default job without a word) or a text that is not a
             mapping.
     """
     try:
-        values = yaml.safe_load(text)
+        values = load_yaml_strictly(text)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ValueError(f"{source} is not valid YAML{where}: {problem}. Fix the file and rerun.") from None
+        raise ValueError(describe_yaml_error(error, source)) from None
     if values is None:
         raise ValueError(
             f"{source} is empty: it would run the whole default job without saying so. Write the sections you mean "

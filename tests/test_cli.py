@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,22 @@ def test_diloco_values_come_from_the_flag_then_the_environment_then_the_file_the
     assert args.outer_momentum == 0.5  # the file over the default (0.9)
     assert args.merge_alpha == 0.5 and args.sync_timeout_seconds == 1800.0  # defaults
     assert parse_command_line(["--config", str(path), "--use_cpu"], {}).args.inner_steps == 50
+
+
+def test_a_nan_from_the_file_is_reported_as_set_by_the_file(tmp_path):
+    text = config_file.shipped_config_text("tiny_diloco").replace("outer_lr: 0.5", "outer_lr: .nan")
+    assert ".nan" in text
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError, match=rf"outer_lr.*\(set: outer_lr by {re.escape(str(path))}\)") as error:
+        parse_command_line(["--config", str(path), "--use_cpu"], {})
+    assert "the command line" not in str(error.value)
+
+
+def test_a_key_written_twice_in_the_jobs_file_is_refused_naming_both_lines(tmp_path):
+    text = config_file.shipped_config_text("tiny_diloco") + "training:\n  seed: 3\n"
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError, match=r"the key 'training' is written twice \(first at line \d+\)"):
+        parse_command_line(["--config", str(path), "--use_cpu"], {})
 
 
 @pytest.mark.parametrize(

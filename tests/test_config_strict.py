@@ -47,6 +47,18 @@ def test_yaml_that_is_not_a_mapping_or_not_yaml_names_the_file(tmp_path):
         DiLoCoConfig.from_yaml(path)
 
 
+def test_a_key_written_twice_in_a_plugin_or_engine_yaml_is_refused_with_its_lines(tmp_path):
+    from hf_diloco import DiLoCoPlugin
+
+    path = tmp_path / "run.yaml"
+    path.write_text("diloco:\n  inner_steps: 4\n  compression: fp4\n  inner_steps: 8\n")
+    expected = rf"{re.escape(str(path))} is not valid YAML at line 4, column 3: the key 'inner_steps' is written twice"
+    with pytest.raises(ValueError, match=expected + r" \(first at line 2\)"):
+        DiLoCoConfig.from_yaml(path)
+    with pytest.raises(ValueError, match=expected):
+        DiLoCoPlugin(yaml_file=path, environ={})
+
+
 def test_unknown_environment_variable_names_the_closest_variable():
     from hf_diloco import DiLoCoPlugin
 

@@ -14,6 +14,7 @@ from hf_diloco.data import (
     check_enough_blocks,
     check_vocab,
     dataset_fingerprint,
+    keep_run_tokenizer,
     load_or_train_tokenizer,
     load_text_dataset,
     set_model_max_length,
@@ -343,9 +344,21 @@ def test_the_runs_tokenizer_is_trained_once_and_never_retrained(tmp_path):
     spec = {"vocab_size": 300}
     first = load_or_train_tokenizer(folder, spec, DOCS * 3)
     assert (folder / "tokenizer.json").is_file() and not list(folder.parent.glob(".tokenizer.tmp-*"))
+    # Until its run starts training it is provisional: another start trains it again, from its own texts.
+    other_texts = ["zzzz qqqq " * 50, "completely different words"] * 10
+    retrained = load_or_train_tokenizer(folder, spec, other_texts)
+    reference = build_tokenizer(spec, other_texts)
+    assert tokenizer_fingerprint(retrained) == tokenizer_fingerprint(reference) != tokenizer_fingerprint(first)
+    assert not list(folder.parent.glob(".tokenizer.*"))
+    first = load_or_train_tokenizer(folder, spec, DOCS * 3)
+    assert tokenizer_fingerprint(first) == tokenizer_fingerprint(build_tokenizer(spec, DOCS * 3))
+    # Another rank of the same start loads what rank 0 trained, provisional or not.
+    assert tokenizer_fingerprint(load_or_train_tokenizer(folder, spec, other_texts, retrain_provisional=False)) == (
+        tokenizer_fingerprint(first)
+    )
+    keep_run_tokenizer(folder)  # training started: the tokenizer is the run's for good
     files = {p.name: p.read_bytes() for p in folder.iterdir()}
     # A resume with other data: the saved tokenizer, not a new one; nothing is written.
-    other_texts = ["zzzz qqqq " * 50, "completely different words"] * 10
     again = load_or_train_tokenizer(folder, spec, other_texts)
     assert again.get_vocab() == first.get_vocab()
     assert tokenizer_fingerprint(again) == tokenizer_fingerprint(first)

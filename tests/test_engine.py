@@ -46,8 +46,14 @@ def _train_engine(rank: int, world: int, cases: list[dict]) -> list[dict]:
             inner_step(model, optimizer, rank, t, tokens)
             engine.step()
         engine.close()
+        try:  # a step after close() would never be synced: refused, nothing changes
+            engine.step()
+            after_close = "accepted"
+        except RuntimeError as error:
+            after_close = str(error)
         results.append(
             {
+                "step_after_close": after_close,
                 "local": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "global": {n: v.clone() for n, v in engine.global_parameters().items()},
                 "outer_state": engine.state_dict()["outer_optimizer"],
@@ -92,6 +98,9 @@ def test_plain_diloco_matches_reference(workers):
             _assert_close(results[rank][index]["global"], glob)
             _assert_close(results[rank][index]["local"], locals_[rank])
         assert results[0][index]["stats"]["outer_steps"] == case["steps"] // case["inner_steps"]
+        assert results[0][index]["step_after_close"].startswith(
+            f"DiLoCo.step() after close() (at inner step {case['steps']})"
+        )
 
 
 @pytest.mark.timeout(300)

@@ -22,6 +22,15 @@ def test_a_valid_file_is_read(tmp_path):
         ("", r"job\.yaml is empty: it would run the whole default job.*trainer: diloco"),
         ("# only a comment\n", r"job\.yaml is empty"),
         ("- a\n- b\n", r"job\.yaml must be a mapping of sections"),
+        (
+            "trainer: diloco\ndiloco:\n  inner_steps: 4\n  outer_lr: 0.5\n  inner_steps: 8\n",
+            r"job\.yaml is not valid YAML at line 5, column 3: the key 'inner_steps' is written twice \(first at line "
+            r"3\); the second would silently replace the first",
+        ),
+        (
+            "training:\n  max_steps: 3\ndiloco:\n  inner_steps: 4\ntraining:\n  seed: 1\n",
+            r"job\.yaml is not valid YAML at line 5, column 1: the key 'training' is written twice \(first at line 1\)",
+        ),
     ],
 )
 def test_a_broken_file_is_an_error_naming_it(tmp_path, text, expected):
@@ -29,6 +38,12 @@ def test_a_broken_file_is_an_error_naming_it(tmp_path, text, expected):
     path.write_text(text)
     with pytest.raises(ValueError, match=expected):
         read_config_file(path)
+
+
+def test_a_merge_may_override_the_keys_it_brings(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("base: &base\n  inner_steps: 4\n  outer_lr: 0.5\ndiloco:\n  <<: *base\n  inner_steps: 8\n")
+    assert read_config_file(path)["diloco"] == {"inner_steps": 8, "outer_lr": 0.5}
 
 
 def test_a_missing_file_is_named(tmp_path):

@@ -99,6 +99,20 @@ def _run_together(commands: list[tuple[list[str], dict[str, str]]], timeout: int
     return results
 
 
+def hold_output_folder_in_a_process(folder: Path) -> subprocess.Popen:
+    """A real process holding `folder`'s output-folder lock until its stdin closes (or it is killed)."""
+    code = (
+        "import sys; from hf_diloco.integrations.output_lock import acquire_output_folder; "
+        "acquire_output_folder(sys.argv[1]); print('held', flush=True); sys.stdin.readline()"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=_environment(),
+    )  # fmt: skip
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def _snapshot(folder: Path) -> dict[Path, tuple[int, int]]:
     return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in folder.rglob("*") if path.is_file()}
 
@@ -149,9 +163,19 @@ def _timing(key: str) -> bool:
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
+    """One worker; in its folder a first start on a 3-line corpus was refused, after it had trained a tokenizer."""
     out = tmp_path_factory.mktemp("pretrain_1")
     output_dir = out / "out1"
-    result = _run([sys.executable, str(SCRIPT), "--config", str(_small_config(out)), "--output_dir", str(output_dir)])
+    corpus = out / "three_lines.txt"
+    corpus.write_text("def f():\n    return 1\nprint(f())\n")
+    refused = yaml.safe_load(_small_config(out).read_text())
+    refused["data"] = {"path": "text", "data_files": {"train": str(corpus), "validation": str(corpus)}}
+    (out / "refused.yaml").write_text(yaml.safe_dump(refused))
+    start = [sys.executable, str(SCRIPT), "--output_dir", str(output_dir), "--config"]
+    first = _run([*start, str(out / "refused.yaml")], expect_success=False)
+    assert first.returncode != 0 and "Use more data" in first.stderr, first.stderr[-3000:]
+    shutil.copytree(output_dir / "tokenizer", out / "refused_tokenizer")
+    result = _run([*start, str(_small_config(out))])
     return output_dir, result
 
 
@@ -179,6 +203,16 @@ def test_pretrain_single_process(one_process):
     assert (output_dir / "checkpoint-4" / "diloco_state_rank0.pt").is_file()
     assert "DiLoCo run: 1 worker x 1 data-parallel rank x 1 pipeline stage = 1 process; H=4" in result.stderr
     assert "tau=0, overlap=none (each exchange blocks)" in result.stderr  # streaming with tau = 0 hides nothing
+    # The refused first start's tokenizer (3 lines of text) was provisional: this run trained its own, and kept it.
+    refused = json.loads((output_dir.parent / "refused_tokenizer" / "hf_diloco_tokenizer.json").read_text())
+    kept = json.loads((output_dir / "tokenizer" / "hf_diloco_tokenizer.json").read_text())
+    assert refused["provisional"] and "provisional" not in kept
+    assert kept["fingerprint"] != refused["fingerprint"]
+    assert "stopped before training; training this run's tokenizer again" in result.stderr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(output_dir / "tokenizer")
+    assert len(tokenizer) == 512 > len(AutoTokenizer.from_pretrained(output_dir.parent / "refused_tokenizer"))
 
 
 @pytest.mark.timeout(480)
@@ -260,12 +294,34 @@ def test_a_crash_after_the_final_checkpoint_saves_the_final_model_without_traini
     for name in ("model.safetensors", "all_results.json", "README.md"):
         (output_dir / name).unlink()
     tokenizer = _snapshot(output_dir / "tokenizer")
-    _run([sys.executable, str(SCRIPT), "--config", str(_small_config(tmp_path)), "--output_dir", str(output_dir)])
+    result = _run(
+        [sys.executable, str(SCRIPT), "--config", str(_small_config(tmp_path)), "--output_dir", str(output_dir)]
+    )
+    assert f"holds a finished run without its final model: saving checkpoint-{STEPS}'s model" in result.stderr
     last = output_dir / f"checkpoint-{STEPS}"
     assert (output_dir / "model.safetensors").read_bytes() == (last / "model.safetensors").read_bytes()
     _assert_card_quotes_all_results(output_dir)
     assert not (output_dir / f"checkpoint-{STEPS + 4}").exists()
     assert _snapshot(output_dir / "tokenizer") == tokenizer
+
+
+def test_a_damaged_final_model_is_reported_never_overwritten(one_process, tmp_path):
+    """A finished run whose final model.safetensors is truncated: the main job's check before it saves the final
+    model again names the file and the way out; an absent or intact file passes."""
+    from hf_diloco.checkpointing import CheckpointError, refuse_a_damaged_final_model
+
+    output_dir = tmp_path / "damaged"
+    shutil.copytree(one_process[0], output_dir)
+    last = output_dir / f"checkpoint-{STEPS}"
+    refuse_a_damaged_final_model(output_dir, last)  # intact
+    with open(output_dir / "model.safetensors", "r+b") as handle:
+        handle.truncate(100)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is not the final model of this finished run "
+                       r"\(100 bytes, the checkpoint's \d+\).*Nothing was written.*move that file aside"):  # fmt: skip
+        refuse_a_damaged_final_model(output_dir, last)
+    assert (output_dir / "model.safetensors").stat().st_size == 100  # left for the user
+    (output_dir / "model.safetensors").unlink()
+    refuse_a_damaged_final_model(output_dir, last)  # absent: the final save may write it
 
 
 @pytest.mark.timeout(480)
@@ -324,16 +380,25 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
         "tokenizer": (["--output_dir", str(existing), "--tokenizer.vocab_size", "600", "--max_steps", "12"], {},
                       r"This run's tokenizer in .*existing/tokenizer was trained with `tokenizer:` .*'vocab_size': "
                       r"512.*but the config now says .*'vocab_size': 600"),
+        "locked": ([], {}, r"The output folder .*locked is in use by another job: pid \d+ on host .*Wait for it to "
+                   r"finish .*or give this run its own folder with --output_dir"),
     }  # fmt: skip
     before = _snapshot(existing)
     commands = []
     for name, (flags, env, _) in cases.items():
         output = ["--output_dir", str(tmp_path / name)] if "--output_dir" not in flags else []
         commands.append(([sys.executable, str(SCRIPT), "--config", str(config), *output, *flags], env))
-    for (name, (_, _, expected)), (returncode, stderr) in zip(cases.items(), _run_together(commands)):
+    holder = hold_output_folder_in_a_process(tmp_path / "locked")  # another job's lock on the folder
+    try:
+        results = _run_together(commands)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    for (name, (_, _, expected)), (returncode, stderr) in zip(cases.items(), results):
         assert returncode != 0, name
         assert re.search(expected, stderr), f"{name}: {stderr[-3000:]}"
         assert not (tmp_path / name / "tokenizer").exists(), name
+    assert f"pid {holder.pid} on host" in results[list(cases).index("locked")][1]
     assert _snapshot(existing) == before
 
 

@@ -11,8 +11,9 @@ where it stopped). `hf-diloco pretrain --help` lists every flag.
 
 What the job guarantees: everything that can be checked without data is checked first (the config, every DiLoCo
 value, the worker layout, the model's positions against `data.block_size`, the checkpoint to resume from); the run's
-tokenizer is fixed at its first start (`output_dir/tokenizer`); every rank must have built the same tokenizer and
-data; a finished run's folder is left as it is; and every wait for the other ranks is bounded.
+tokenizer is fixed at its first start that trains (`output_dir/tokenizer`); every rank must have built the same tokenizer and
+data; a finished run's folder is left as it is; one job at a time uses an output folder (a lock,
+`hf_diloco.integrations.output_lock`); and every wait for the other ranks is bounded.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
+from ..integrations.output_lock import hold_output_folder
 from ..job_config import LoadedConfig
 from ..run_summary import check_processes_joined
 from .pretrain_arguments import parse_command_line
@@ -47,12 +49,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _configure_logging(args)
     use_diloco = config.trainer == "diloco"
     check_before_building(config, args, use_diloco)
+    points = JobGlobalPoints.of(args)
+    # One job per folder: taken before the folder is read for a checkpoint or written, held until the job exits.
+    hold_output_folder(args.output_dir, args.process_index == 0, points.group, points.timeout_seconds, points.bound)
     resume = args.resume_from_checkpoint
     if resume is None and command_line.auto_resume:
         resume = checkpoint_to_resume_from(args.output_dir, use_diloco)
     if resume is not None:
         check_resumable(resume, args, use_diloco)
-    points = JobGlobalPoints.of(args)
     if resume is not None and not use_diloco and _baseline_run_finished(resume, args):
         say_run_finished(args, resume)
     else:
@@ -122,8 +126,14 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
         final model is in the folder already (then nothing is written).
     """
 
-    from ..checkpointing import final_model_matches_checkpoint
-    from ..data import check_enough_blocks, dataset_fingerprint, set_model_max_length, tokenizer_fingerprint
+    from ..checkpointing import final_model_matches_checkpoint, refuse_a_damaged_final_model
+    from ..data import (
+        check_enough_blocks,
+        dataset_fingerprint,
+        keep_run_tokenizer,
+        set_model_max_length,
+        tokenizer_fingerprint,
+    )
     from ..modeling import build_model
     from ..trainer import DiLoCoTrainer
 
@@ -152,10 +162,21 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
             trainer.require_agreement(name, value)
     else:
         points.check_agree(inputs)
+    if args.process_index == 0:  # training starts: the tokenizer is this run's for good (see load_or_train_tokenizer)
+        keep_run_tokenizer(run_tokenizer_folder(args))
     train_result = trainer.train(resume_from_checkpoint=resume)
-    if getattr(trainer, "resumed_a_finished_run", False) and final_model_matches_checkpoint(args.output_dir, resume):
-        say_run_finished(args, resume)
-        return None
+    if getattr(trainer, "resumed_a_finished_run", False):
+        if final_model_matches_checkpoint(args.output_dir, resume):
+            say_run_finished(args, resume)
+            return None
+        # The job stopped before its final save (the final model is absent): save it now, never over a damaged one.
+        refuse_a_damaged_final_model(args.output_dir, resume)
+        if args.process_index == 0:
+            print(
+                f"{args.output_dir} holds a finished run without its final model: saving {Path(resume).name}'s "
+                "model, its evaluation and card (nothing is trained).",
+                file=sys.stderr,
+            )
     # The final weights are evaluated before they are saved, so the card in the folder quotes their numbers.
     eval_metrics = trainer.evaluate()
     eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
@@ -195,8 +216,8 @@ def build_trainer(config: LoadedConfig, args: Any, model: Any, tokenizer: Any, b
 
 def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
     """
-    Load the corpus, fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, then
-    loaded from there at every start) and pack the text into blocks.
+    Load the corpus, fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, kept
+    once training starts, then loaded from there at every start) and pack the text into blocks.
     """
     from ..data import load_or_train_tokenizer, load_text_dataset, tokenize_and_group
 
@@ -204,7 +225,10 @@ def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
     raw = load_text_dataset(data_spec)
     with points.main_process_first(args.process_index == 0, "the run's tokenizer (trained or loaded by rank 0 first)"):
         tokenizer = load_or_train_tokenizer(
-            Path(args.output_dir) / "tokenizer", config.section("tokenizer"), raw["train"]["text"]
+            run_tokenizer_folder(args),
+            config.section("tokenizer"),
+            raw["train"]["text"],
+            retrain_provisional=args.process_index == 0,
         )
     blocks = tokenize_and_group(
         raw,
@@ -214,6 +238,11 @@ def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
         group_batch_size=data_spec.get("group_batch_size", 1000),
     )
     return tokenizer, blocks
+
+
+def run_tokenizer_folder(args: Any) -> Path:
+    """Where the run keeps the tokenizer it trains: `output_dir/tokenizer`."""
+    return Path(args.output_dir) / "tokenizer"
 
 
 def _block_size(config: LoadedConfig) -> int:

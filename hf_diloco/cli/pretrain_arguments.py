@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -189,9 +190,9 @@ def check_diloco_values(namespace: Mapping[str, Any], defaults: Mapping[str, Any
     field_defaults = {f.name: f.default for f in dataclasses.fields(DiLoCoConfig)}
     set_by = {}
     for name, value in values.items():
-        if name in defaults and value == defaults[name]:
+        if name in defaults and _same(value, defaults[name]):
             set_by[name] = origins[name]
-        elif value != defaults.get(name, field_defaults[name]):
+        elif not _same(value, defaults.get(name, field_defaults[name])):
             set_by[name] = "the command line"
     try:
         DiLoCoConfig(**values)
@@ -199,6 +200,13 @@ def check_diloco_values(namespace: Mapping[str, Any], defaults: Mapping[str, Any
     except ValueError as error:
         named = [f"{name} by {source}" for name, source in set_by.items() if re.search(rf"\b{name}\b", str(error))]
         raise ValueError(f"{error}" + (f" (set: {'; '.join(named)})" if named else "")) from None
+
+
+def _same(value: Any, other: Any) -> bool:
+    """Equal, a NaN included (`.nan` from a file is the file's value, not a change made on the command line)."""
+    if isinstance(value, float) and isinstance(other, float) and math.isnan(value) and math.isnan(other):
+        return True
+    return value == other
 
 
 def check_device_exists(name: str, setting: str) -> None:

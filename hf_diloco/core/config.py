@@ -442,13 +442,53 @@ def check_known_keys(given: Iterable[str], valid: Collection[str], where: str) -
         )
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (PyYAML keeps the last one silently), so a
+    second `inner_steps:` line or a second `training:` section is an error naming both lines. Keys brought in by a
+    merge (`<<: *base`) may be overridden, as YAML intends."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = first_line.get(key)
+            except TypeError:  # an unhashable key: PyYAML's own check reports it
+                continue
+            if seen is not None:
+                raise yaml.constructor.ConstructorError(
+                    None,
+                    None,
+                    f"the key {key!r} is written twice (first at line {seen}); the second would silently replace "
+                    "the first. Keep one",
+                    key_node.start_mark,
+                )
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_strictly(text: str) -> Any:
+    """`yaml.safe_load` that refuses duplicate keys (see `_StrictLoader`); raises `yaml.YAMLError`."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 -- a SafeLoader subclass
+
+
+def describe_yaml_error(error: yaml.YAMLError, source: str) -> str:
+    """`source is not valid YAML at line L, column C: problem. Fix the file and rerun.`"""
+    mark = getattr(error, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{source} is not valid YAML{where}: {problem}. Fix the file and rerun."
+
+
 def yaml_fields(path: str | Path) -> dict[str, Any]:
     """The DiLoCo fields a YAML file sets: its `diloco:` section if present, else the whole mapping; every key must
     be a field (`ValueError` naming the key, the file and the closest field)."""
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = load_yaml_strictly(Path(path).read_text()) or {}
     except yaml.YAMLError as error:
-        raise ValueError(f"{path} is not valid YAML: {error}") from None
+        raise ValueError(describe_yaml_error(error, str(path))) from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of field names to values, got {type(data).__name__}.")
     section = "diloco" in data

@@ -130,6 +130,7 @@ class DiLoCo:
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
         self._timer = _StepTimer()
+        self._closed = False
         self.elastic = None if membership is None else ElasticRounds(self, membership)
         if self.elastic is not None:
             self.elastic.join()
@@ -139,6 +140,12 @@ class DiLoCo:
 
     def step(self) -> None:
         """Advance the schedule by one completed inner optimizer step."""
+        if self._closed:
+            raise RuntimeError(
+                f"DiLoCo.step() after close() (at inner step {self.inner_step}): close() ran the final syncs and the "
+                "exchange is shut down, so this step would not be synced. Call close() once, after the last step; to "
+                "train further build a new DiLoCo (resuming from its state_dict or a checkpoint)."
+            )
         self._timer.step_begins()
         self.inner_step += 1
         self.overlap.apply_due(self.fragments, self.inner_step)
@@ -160,6 +167,7 @@ class DiLoCo:
         Error feedback loses nothing here either: with outer lr 1 and no momentum, θg minus the workers' mean residual
         still held then equals θ0 minus the mean of every pseudo-gradient they produced (a test).
         """
+        self._closed = True
         tails = [f for f in self.fragments if self._steps_since_launch(f) > 0]
         for index, delta in self.overlap.close(self.fragments, tails).items():
             self._sync_tail(self.fragments[index], delta)

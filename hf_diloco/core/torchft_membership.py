@@ -2,18 +2,26 @@
 of its members and heals a worker that is behind from a live peer (over HTTP, no shared file system).
 
 Install with `pip install "hf_diloco[elastic]"` (torchft 0.2.0). Start one Lighthouse on a stable host that every
-worker reaches (`torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --bind [::]:29510`); it is the job's
-single point of failure: if it dies, restart the job from its last checkpoint. torchft unpickles the state a worker
-heals from (`weights_only=False`): run workers only where every peer is trusted (a VPN between sites).
+worker reaches, on a private address (`torchft_lighthouse --min_replicas 1 --join_timeout_ms 60000 --bind
+10.0.0.5:29510`); it is the job's single point of failure: if it dies, restart the job from its last checkpoint.
+
+What a worker trusts: the state it heals from is loaded with `weights_only=True` (tensors and plain containers only;
+anything else, a pickled object with a `__reduce__` included, is refused with `HealStateRefused` before it runs), and
+its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only. Nothing is
+authenticated: any process that reaches the Lighthouse and the workers' ports can join and serve (wrong) weights, so
+run the job inside a private network (a VPN between sites).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import pickle
 import socket
 import time
 import urllib.request
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -22,6 +30,14 @@ from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn
 
 logger = logging.getLogger(__name__)
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
+
+
+class HealStateRefused(RuntimeError):
+    """The state a live peer served for a heal holds something other than tensors and plain containers."""
+
+
+class DuplicateReplicaId(RuntimeError):
+    """Two live workers joined the Lighthouse under the same `replica_id`."""
 
 
 class TorchftMembership:
@@ -44,6 +60,7 @@ class TorchftMembership:
         poll_seconds: the pause between two quorums while too few workers are present.
         host: the name or address the other workers reach this one at (its group's rendezvous store is announced
             under it); by default this machine's host name, which must resolve to a reachable address at every site.
+            The worker's store, checkpoint server and Manager listen on this address only (not on every interface).
     """
 
     def __init__(
@@ -71,6 +88,7 @@ class TorchftMembership:
         self.manager = None
         self._pg = None
         self._store = None
+        self._store_socket: socket.socket | None = None
 
     def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
         """Join the job: the Manager starts heartbeating to the Lighthouse from here on."""
@@ -79,26 +97,38 @@ class TorchftMembership:
         sync_timeout, quorum_timeout, connect_timeout = (timedelta(seconds=s) for s in self._timeouts)
         self._load_state_dict = load_state_dict
         # The worker's own store (one process per worker): the Lighthouse announces it to the other workers as the
-        # rendezvous of the groups this worker leads, under `host`; it listens on every interface.
-        self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-        self._pg = ProcessGroupGloo(timeout=sync_timeout)
-        self.manager = Manager(
-            pg=self._pg,
-            load_state_dict=self._on_heal,
-            state_dict=state_dict,
-            min_replica_size=1,  # min_workers is enforced in begin_round, with a bound and a clear message
-            use_async_quorum=False,  # heal before the exchange: the group's members all hold the same state
-            timeout=sync_timeout,
-            quorum_timeout=quorum_timeout,
-            connect_timeout=connect_timeout,
-            rank=0,
-            world_size=1,
-            store_addr=self.host,
-            store_port=self._store.port,
-            lighthouse_addr=self.lighthouse,
-            replica_id=self.replica_id,
-            checkpoint_transport=_counting_http_transport(sync_timeout, self._heal),
+        # rendezvous of the groups this worker leads, under `host`; it listens on `host`'s address only (a socket
+        # bound here and handed over: TCPStore itself would listen on every interface).
+        self._store_socket = _listening_socket(self.host)
+        self._store = dist.TCPStore(
+            self.host,
+            self._store_socket.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=self._store_socket.fileno(),
         )
+        self._pg = ProcessGroupGloo(timeout=sync_timeout)
+        with _servers_bound_to(self.host):
+            self.manager = Manager(
+                pg=self._pg,
+                load_state_dict=self._on_heal,
+                state_dict=state_dict,
+                min_replica_size=1,  # min_workers is enforced in begin_round, with a bound and a clear message
+                use_async_quorum=False,  # heal before the exchange: the group's members all hold the same state
+                timeout=sync_timeout,
+                quorum_timeout=quorum_timeout,
+                connect_timeout=connect_timeout,
+                rank=0,
+                world_size=1,
+                store_addr=self.host,
+                store_port=self._store.port,
+                lighthouse_addr=self.lighthouse,
+                replica_id=self.replica_id,
+                hostname=self.host,
+                checkpoint_transport=_counting_http_transport(sync_timeout, self._heal, self.host),
+            )
+        # The members of each quorum, for the duplicate-id check (torchft keeps them only in a local variable).
+        self.manager._client = _RecordingClient(self.manager._client, self._heal)
 
     def begin_round(self) -> RoundView:
         """Form the group of the next exchange; blocks, bounded by `min_workers_timeout`, while fewer than the
@@ -106,6 +136,7 @@ class TorchftMembership:
         deadline = time.monotonic() + self.min_workers_timeout
         required, self._required = self._required, self.min_workers
         view = healed = self._quorum()
+        self._check_quorum()
         while view.size < required or self._error() is not None or (view.group is None and view.size > 1):
             if time.monotonic() > deadline:
                 if view.size >= required:
@@ -123,10 +154,25 @@ class TorchftMembership:
             logger.warning("%d of %d workers present (%s); asking again", view.size, required, self._error() or "ok")
             time.sleep(self.poll_seconds)
             view = self._quorum()
+            self._check_quorum()
             healed = view if view.healed else healed
         if healed.healed and not view.healed:
             view = RoundView(view.group, view.rank, view.size, True, healed.heal_bytes, healed.heal_seconds)
         return view
+
+    def _check_quorum(self) -> None:
+        """Stop at a refused heal (its state is never loaded) or at a second live worker under this worker's id."""
+        if "refused" in self._heal:
+            raise HealStateRefused(self._heal["refused"])
+        names = [replica.split(":")[0] for replica in self._heal.get("replica_ids", [])]
+        if names.count(self.replica_id) > 1:
+            message = (
+                f"two live workers joined the Lighthouse {self.lighthouse} as replica_id {self.replica_id!r}; give "
+                "every worker its own replica_id (a restarted worker may reuse its own once the old process is gone)."
+            )
+            if self._heal.get("heal"):  # the later one (it is behind, so it heals) stops; the other trains on
+                raise DuplicateReplicaId(message)
+            logger.error("%s This worker continues; the other one stops.", message)
 
     def report_error(self, error: Exception) -> None:
         self.manager.report_error(error)
@@ -172,22 +218,107 @@ class TorchftMembership:
         return None if error is None else str(error.original_exception)
 
 
-def _counting_http_transport(timeout: timedelta, sink: dict) -> object:
-    """torchft's HTTP checkpoint transport, recording the bytes and seconds of what this worker receives."""
-    from torch.distributed._serialization import _streaming_load
+def _counting_http_transport(timeout: timedelta, sink: dict, host: str) -> object:
+    """torchft's HTTP checkpoint transport, announced under `host`, loading what this worker receives safely
+    (`load_heal_state`) and recording its bytes and seconds (or why it was refused) in `sink`."""
     from torchft.checkpointing import HTTPTransport
 
     class CountingHTTPTransport(HTTPTransport):
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             started = time.perf_counter()
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
-                reader = _CountingReader(response)
-                state = _streaming_load(reader, weights_only=False)  # as torchft's own loader does
+            try:
+                with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                    reader = _CountingReader(response)
+                    state = load_heal_state(reader, address)
+            except HealStateRefused as refused:
+                sink["refused"] = str(refused)
+                raise
             sink["bytes"], sink["seconds"] = reader.count, time.perf_counter() - started
             return state
 
+        def address(self) -> str:  # torchft announces this machine's host name, not the address it listens on
+            return f"http://{_url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
     return CountingHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def load_heal_state(stream: object, source: str) -> object:
+    """Read a state served for a heal (torchft's streaming format) with `weights_only=True`: tensors and plain
+    containers only. Anything else (a pickled object, whose `__reduce__` would run code here) is refused before it is
+    built, with `HealStateRefused` naming `source`."""
+    from torch.distributed._serialization import _streaming_load
+
+    try:
+        return _streaming_load(stream, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise HealStateRefused(
+            f"refused the state served for a heal by {source}: it holds objects other than tensors and plain "
+            f"containers, which this worker never unpickles ({str(error).splitlines()[0]}). The peer runs another "
+            "version of hf_diloco or is not trusted; stop it, or stop this worker."
+        ) from None
+
+
+class _RecordingClient:
+    """torchft's Manager client, recording the members of each quorum (for the duplicate-id check)."""
+
+    def __init__(self, client: object, sink: dict):
+        self._client_, self._sink = client, sink
+
+    def _quorum(self, *args: object, **kwargs: object) -> object:
+        result = self._client_._quorum(*args, **kwargs)
+        self._sink["replica_ids"], self._sink["heal"] = list(result.replica_ids), bool(result.heal)
+        return result
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._client_, name)
+
+
+def _resolve(host: str) -> tuple[socket.AddressFamily, str]:
+    family, _, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    return family, address[0]
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _listening_socket(host: str) -> socket.socket:
+    family, address = _resolve(host)
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, 0))
+    listener.listen(128)
+    return listener
+
+
+@contextlib.contextmanager
+def _servers_bound_to(host: str) -> Iterator[None]:
+    """While torchft builds a Manager: its Manager server and its checkpoint server listen on `host`'s address
+    instead of every interface (torchft 0.2.0 binds `[::]` with no option; the two names it binds through are
+    replaced for the construction only, on this thread, which is the only one building a Manager)."""
+    import torchft.checkpointing.http_transport as http_transport
+    import torchft.manager as manager_module
+
+    family, address = _resolve(host)
+    server_class, original_http = http_transport._IPv6HTTPServer, http_transport._IPv6HTTPServer
+    original_manager = manager_module.ManagerServer
+
+    class BoundHTTPServer(server_class):
+        address_family = family
+
+        def __init__(self, server_address: tuple, handler: type):
+            super().__init__((address, server_address[1]), handler)
+
+    def bound_manager_server(*args: object, bind: str, **kwargs: object) -> object:
+        port = bind.rsplit(":", 1)[1]
+        return original_manager(*args, bind=f"{_url_host(address)}:{port}", **kwargs)
+
+    http_transport._IPv6HTTPServer, manager_module.ManagerServer = BoundHTTPServer, bound_manager_server
+    try:
+        yield
+    finally:
+        http_transport._IPv6HTTPServer, manager_module.ManagerServer = original_http, original_manager
 
 
 class _CountingReader:

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..accelerate_worker import refuse_accelerate_fsdp
+from ..output_lock import hold_output_folder
 from .arguments import DiLoCoTrainingArguments
 from .checkpoints import Checkpoints
 from .engine_lifecycle import EngineLifecycle, EngineStepCallback
@@ -96,6 +97,9 @@ class DiLoCoTrainer(
         self._settings_that_must_agree: dict[str, Any] = {}
         self._final_metrics: dict[str, float] = {}  # evaluations of the model as train() left it
         super().__init__(model, args, *pos, **kwargs)
+        self._get_topology()  # the global-point group, for the lock's verdict on every rank
+        # One job per output folder, from before anything is written to the process's exit.
+        hold_output_folder(args.output_dir, args.process_index == 0, self._global_points, args.sync_timeout_seconds)
         if self.is_deepspeed_enabled:
             raise ValueError(
                 "DiLoCoTrainer does not support DeepSpeed (it shards over every process, across workers); to shard "

@@ -1,0 +1,185 @@
+"""What an elastic worker trusts: a heal never unpickles objects, its servers listen on its own address only, and
+two live workers under one replica id are refused.
+
+The hostile peer is real: a separate process serving, in torchft's streaming format, a pickle whose `__reduce__`
+would create a marker file on whoever unpickles it. The healer is the transport a `TorchftMembership` heals through.
+The two-worker runs use real torchft Managers against a Lighthouse in this process (one thread per worker).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+HOST = "127.0.0.1"
+
+HOSTILE_PEER = r"""
+import builtins, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import torch
+from torch.distributed._serialization import _streaming_save
+
+marker = sys.argv[1]
+
+
+class Payload:
+    def __reduce__(self):  # runs on whoever unpickles this: creates the marker file
+        return (builtins.exec, (f"open({marker!r}, 'w').close()",))
+
+
+STATES = {
+    "/checkpoint/0/full": {"user": {"default": {"global": [torch.ones(3)], "evil": Payload()}}, "torchft": {"step": 0}},
+    "/checkpoint/1/full": {"user": {"default": {"global": [torch.arange(3.0)], "phase": ("launch", 0)}},
+                           "torchft": {"step": 1, "batches_committed": 2}},
+}
+
+
+class Handler(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        _streaming_save(STATES[self.path], self.wfile)
+
+    def log_message(self, *args):
+        pass
+
+
+server = HTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+@pytest.fixture
+def hostile_peer(tmp_path):
+    marker = tmp_path / "executed"
+    peer = subprocess.Popen([sys.executable, "-c", HOSTILE_PEER, str(marker)], stdout=subprocess.PIPE, text=True)
+    port = int(peer.stdout.readline())
+    yield f"http://{HOST}:{port}/checkpoint/", marker
+    peer.kill()
+    peer.wait()
+
+
+def test_a_heal_state_holding_an_object_is_refused_and_nothing_runs(hostile_peer):
+    from hf_diloco.core.torchft_membership import HealStateRefused, _counting_http_transport, _servers_bound_to
+
+    url, marker = hostile_peer
+    sink: dict = {}
+    with _servers_bound_to(HOST):
+        transport = _counting_http_transport(timedelta(seconds=10), sink, HOST)
+    try:
+        with pytest.raises(HealStateRefused, match=r"refused the state served for a heal by http://127\.0\.0\.1"):
+            transport.recv_checkpoint(src_rank=0, metadata=url, step=0, timeout=timedelta(seconds=10))
+        assert not marker.exists(), "the peer's pickle ran code on the healer"
+        assert "objects other than tensors and plain containers" in sink["refused"]
+        # A state of tensors and plain containers (what hf_diloco serves) loads as it was sent.
+        sink.clear()
+        state = transport.recv_checkpoint(src_rank=0, metadata=url, step=1, timeout=timedelta(seconds=10))
+        assert torch.equal(state["user"]["default"]["global"][0], torch.arange(3.0))
+        assert state["user"]["default"]["phase"] == ("launch", 0) and state["torchft"]["batches_committed"] == 2
+        assert sink["bytes"] > 0 and "refused" not in sink
+        assert transport.address().startswith(f"http://{HOST}:")
+        assert transport._server.socket.getsockname()[0] in (HOST, f"::ffff:{HOST}")
+    finally:
+        transport.shutdown(wait=False)
+
+
+def listening_addresses() -> dict[int, str]:
+    """Port -> local address of every socket this process listens on."""
+    connections = psutil.Process().net_connections(kind="tcp")
+    return {c.laddr.port: c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
+
+
+def two_workers(lighthouse: str, names: list[str], states: list) -> tuple[list, list, list, list]:
+    """Two `TorchftMembership`s joining at once (one thread each): their memberships, views and errors."""
+    from hf_diloco.core.torchft_membership import TorchftMembership
+
+    memberships = [
+        TorchftMembership(lighthouse, name, min_workers=2, min_workers_timeout=30, sync_timeout=10, host=HOST)
+        for name in names
+    ]
+    loaded: list = []
+    for membership, state in zip(memberships, states):
+        membership.bind(lambda state=state: state, loaded.append)
+    views, errors = [None, None], [None, None]
+
+    def join(index: int) -> None:
+        try:
+            views[index] = memberships[index].begin_round()
+        except Exception as error:  # noqa: BLE001 -- reported to the test
+            errors[index] = error
+
+    threads = [threading.Thread(target=join, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return memberships, views, errors, loaded
+
+
+@pytest.fixture
+def lighthouse():
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind=f"{HOST}:0", min_replicas=2, join_timeout_ms=2000)
+    yield server.address()
+    server.shutdown()
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):  # runs on whoever unpickles this
+        return (open, (str(self.marker), "w"))
+
+
+def test_a_torchft_heal_from_a_hostile_peer_is_refused_and_servers_listen_on_the_host_only(lighthouse, tmp_path):
+    from hf_diloco.core.torchft_membership import HealStateRefused
+
+    marker = tmp_path / "executed"
+    hostile = {"global": [torch.zeros(2)], "evil": Payload(marker)}
+    started = time.monotonic()
+    memberships, views, errors, loaded = two_workers(lighthouse, ["site_a", "site_b"], [hostile, hostile])
+    try:
+        # At step 0 one worker heals from the other (torchft's first sync): that one refuses, nothing ran.
+        refused = [error for error in errors if error is not None]
+        assert len(refused) == 1 and isinstance(refused[0], HealStateRefused), errors
+        assert "objects other than tensors and plain containers" in str(refused[0])
+        assert not marker.exists() and loaded == []
+        listening = listening_addresses()
+        for membership in memberships:
+            ports = [membership._store.port, membership.manager._checkpoint_transport._server.socket.getsockname()[1]]
+            ports.append(int(membership.manager._manager.address().rsplit(":", 1)[1]))
+            bound = {port: listening.get(port) for port in ports}
+            assert all(address in (HOST, f"::ffff:{HOST}") for address in bound.values()), bound
+    finally:
+        for membership in memberships:
+            membership.close()
+    assert time.monotonic() - started < 60
+
+
+def test_two_live_workers_under_one_replica_id_are_refused(lighthouse):
+    from hf_diloco.core.torchft_membership import DuplicateReplicaId
+
+    state = {"global": [torch.zeros(2)]}
+    memberships, views, errors, _ = two_workers(lighthouse, ["site_a", "site_a"], [state, state])
+    try:
+        duplicates = [error for error in errors if isinstance(error, DuplicateReplicaId)]
+        assert len(duplicates) == 1, errors
+        assert "two live workers joined the Lighthouse" in str(duplicates[0]) and "'site_a'" in str(duplicates[0])
+        assert sum(view is not None for view in views) == 1  # the worker that was there first trains on
+    finally:
+        for membership in memberships:
+            membership.close()
