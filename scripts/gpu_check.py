@@ -418,13 +418,18 @@ def _trainer_run(use_diloco: bool, device: torch.device, steps: int, inner_steps
             return {"input_ids": ids, "labels": ids}
 
     class Clock(TrainerCallback):
-        started = 0.0
+        """From the end of the warm-up's last step to the end of the last step (not `close()`'s final sync)."""
+
+        started = ended = 0.0
 
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == warmup:
+            if state.global_step in (warmup, state.max_steps):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                Clock.started = time.perf_counter()
+                if state.global_step == warmup:
+                    Clock.started = time.perf_counter()
+                else:
+                    Clock.ended = time.perf_counter()
 
     common = dict(
         output_dir=out,
@@ -449,9 +454,7 @@ def _trainer_run(use_diloco: bool, device: torch.device, steps: int, inner_steps
     trainer = (DiLoCoTrainer if use_diloco else Trainer)(model=model, args=args, train_dataset=Tokens())
     trainer.add_callback(Clock())
     trainer.train()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - Clock.started
+    seconds = Clock.ended - Clock.started
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
     del trainer, model
     return {"tokens_per_second": (steps - warmup) * rows * length / seconds, "peak_memory_bytes": peak}
