@@ -295,13 +295,16 @@ def _scaler_raw_rank(rank: int, world: int, device: str) -> dict:
 def _scaler_plugin_rank(rank: int, world: int) -> dict:
     """DiLoCoPlugin under Accelerate's fp16 GradScaler: the front-end decides what a skipped step means."""
     from accelerate import Accelerator
-    from accelerate.utils import GradScalerKwargs
+    from accelerate.utils import GradScalerKwargs, InitProcessGroupKwargs
 
     from hf_diloco import DiLoCoPlugin
 
-    accelerator = Accelerator(
-        mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=INIT_SCALES[rank], growth_interval=1000)]
-    )
+    # The default group is the gloo one `spawn` made (both workers on cuda:0); Accelerate is told so, not NCCL.
+    handlers = [
+        GradScalerKwargs(init_scale=INIT_SCALES[rank], growth_interval=1000),
+        InitProcessGroupKwargs(backend="gloo"),
+    ]
+    accelerator = Accelerator(mixed_precision="fp16", kwargs_handlers=handlers)
     plugin = DiLoCoPlugin(inner_steps=INNER_STEPS, sync_timeout_seconds=60, environ={})
     model = small_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
