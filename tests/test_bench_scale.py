@@ -4,6 +4,7 @@ one launch, two syncs each; the bytes inside the worker and the outer state matc
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -42,3 +43,15 @@ def test_scale_smoke_counts_the_bytes_inside_the_worker(tmp_path):
 def test_rerun_command_names_one_configuration():
     argv = ["--hidden", "64", "--configs", "D=1", "D=2 FSDP", "--out", "x"]
     assert scale.argv_without_configs(argv) == ["--hidden", "64", "--out", "x"]
+
+
+def test_a_configuration_without_the_memory_is_recorded_with_its_command(tmp_path, monkeypatch):
+    monkeypatch.setattr(scale, "_available_bytes", lambda: 2**30)  # 1 GiB free: less than any configuration needs
+    out = tmp_path / "scale"
+    result = scale.main(["--smoke", "--configs", "D=1", "D=2 FSDP", "--out", str(out)])
+    for label in ("D=1", "D=2 FSDP"):
+        row = result["configs"][label]
+        assert "measured" not in row and "1.0 GiB available" in row["not_run"]
+        assert row["command"] == f"python -m benchmarks.scale --smoke --out {out} --configs {shlex.quote(label)}"
+    assert result["target_met"] is None
+    assert "not run: 1.0 GiB available" in out.with_suffix(".md").read_text()
