@@ -2,8 +2,8 @@
 tiers for the inner loop of a change.
 
 - `slow`: the modules that run whole jobs end to end (the main job, Trainers on several processes, the built wheel,
-  the benchmarks' smoke runs, subprocess launches). A module is slow by its name below, so a new end-to-end module
-  joins the tier by adding one line here, and a test never carries a marker its neighbours lack.
+  the benchmarks' smoke runs, subprocess launches) and a few engine tests of a minute or more. A module is slow by its
+  name below, so a new end-to-end module joins the tier by adding one line here.
 - `elastic`: workers under a torchft Lighthouse; skipped, saying why, where torchft is not installed (the `elastic`
   extra).
 - `gpu`: needs CUDA (registered in pyproject.toml); each such test skips with its reason where none is present.
@@ -16,12 +16,10 @@ import importlib.util
 import pytest
 
 SLOW_MODULES = {
-    "test_bench_flagship",
-    "test_bench_package",
-    "test_bench_seed_table",
-    "test_bench_wan_smoke",
+    "test_buffers",
     "test_cli",
     "test_dropin",
+    "test_engine_faults",
     "test_faults",
     "test_peft",
     "test_pipeline_families",
@@ -29,11 +27,22 @@ SLOW_MODULES = {
     "test_plugin",
     "test_pretrain_script",
     "test_readme_snippet",
+    "test_sharded_stages",
+    "test_sharded_sync",
+    "test_sharded_workers",
     "test_trainer",
     "test_trainer_fsdp",
     "test_trainer_guards",
     "test_trl",
     "test_wheel",
+}
+# Every benchmark's smoke run (`tests/test_bench_*.py`) is slow too, and so are these engine tests, each a minute or
+# more on 2 loaded cores (their faster siblings cover the same code in the fast tier).
+SLOW_PREFIXES = ("test_bench_",)
+SLOW_TESTS = {
+    "test_streaming_matches_reference",
+    "test_plain_diloco_matches_reference",
+    "test_all_gather_exchange_matches_reference_and_keeps_workers_identical",
 }
 ELASTIC_MODULES = {"test_elastic", "test_readme_elastic", "test_heal_trust"}
 
@@ -47,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     without_torchft = importlib.util.find_spec("torchft") is None
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if module in SLOW_MODULES:
+        if module in SLOW_MODULES or module.startswith(SLOW_PREFIXES) or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)
         if module in ELASTIC_MODULES:
             item.add_marker(pytest.mark.elastic)
