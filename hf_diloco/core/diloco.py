@@ -30,6 +30,7 @@ from .agreement import (
 from .buffers import BufferPool
 from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig
+from .devices import local_device
 from .elastic import ElasticRounds, Membership
 from .exchange import OuterExchange
 from .fragment import Fragment, InFlight, outer_state_bytes
@@ -253,7 +254,7 @@ class DiLoCo:
             values = ShardedValues(pieces, params, self.model, self.worker)
         else:
             values = ReplicatedValues(pieces, params, self.exchange.granularity(), self.worker)
-        device = torch.device(config.global_copy_device)
+        device = local_device(config.global_copy_device, params.values())  # "cuda": this process's own GPU
         fragment = Fragment(index, pieces, params, device, self._outer_optimizer, values, buffers=self.buffers)
         if config.lowrank_rank:  # the initial Q is seeded by the fragment index, the same on every worker
             fragment.compressor = LowRankCompressor(
