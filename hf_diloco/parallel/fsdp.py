@@ -1,6 +1,6 @@
 """FSDP2 inside a worker: shard the model over the worker's data-parallel ranks, never across workers.
 
-    mesh = hf_diloco.worker_mesh(config)
+    mesh = hf_diloco.worker_mesh(config, model=model)
     for block in model.model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
