@@ -133,6 +133,98 @@ def test_subtracting_while_reading_gives_the_bits_of_converting_then_subtracting
         concatenated(parts, torch.empty(2999))
 
 
+class _CopiesInFlight:
+    """`shard.HostTransfers` as an accelerator runs it, emulated on the CPU: a copy only lands at `wait()`; until
+    then its host buffer holds NaN (what a `torch.empty` buffer read too early may hold, arXiv 2407.01614)."""
+
+    outstanding = 0
+
+    def __init__(self) -> None:
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copy(self, host: torch.Tensor, part: torch.Tensor) -> None:
+        host.fill_(float("nan"))
+        self._copies.append((host, part))
+        _CopiesInFlight.outstanding += 1
+
+    def wait(self) -> None:
+        for host, part in self._copies:
+            host.copy_(part)
+        _CopiesInFlight.outstanding -= len(self._copies)
+        self._copies.clear()
+
+
+def _copies_in_flight(monkeypatch, window: int) -> None:
+    """Read every part as if it lived on an accelerator: through staging buffers and `_CopiesInFlight`."""
+    from hf_diloco.core import shard
+
+    monkeypatch.setattr(shard, "needs_staging", lambda part: True)
+    monkeypatch.setattr(shard, "HostTransfers", _CopiesInFlight)
+    monkeypatch.setattr(shard, "STAGING_WINDOW", window)
+
+
+def test_staged_reads_wait_for_their_copies_and_give_the_bits_of_direct_reads(monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(5000, generator=generator)
+    parts = [values[:1700].to(torch.bfloat16), values[1700:4000], values[4000:].to(torch.float64) * (1 + 1e-9)]
+    start = torch.randn(5000, generator=generator)
+    direct = [concatenated(parts, subtracted_from=start), concatenated(parts)]
+    _copies_in_flight(monkeypatch, window=600)  # several windows, parts sliced across them
+    staged = [concatenated(parts, subtracted_from=start), concatenated(parts)]
+    for ours, reference in zip(staged, direct):
+        assert torch.equal(ours.view(torch.int32), reference.view(torch.int32))
+    assert _CopiesInFlight.outstanding == 0
+
+
+def _ordered_rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case twice: read as it is on the CPU, then with every read going through copies that land only when
+    waited for; each exchange records whether a copy was still in flight and whether its vector was finite."""
+    from hf_diloco.core.exchange import OuterExchange
+
+    results = []
+    for staged in (False, True):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            handed: list[tuple[int, bool]] = []
+            if staged:
+                _copies_in_flight(monkeypatch, window=1000)
+                launch = OuterExchange.launch
+
+                def checked(self, vector, *args, handed=handed, launch=launch, **kwargs):
+                    handed.append((_CopiesInFlight.outstanding, bool(torch.isfinite(vector).all())))
+                    return launch(self, vector, *args, **kwargs)
+
+                monkeypatch.setattr(OuterExchange, "launch", checked)
+            for case in cases:
+                case = dict(case)
+                steps, dtype = case.pop("steps"), case.pop("dtype")
+                model = tiny_model().to(dtype)
+                optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+                engine = DiLoCo(model, optimizer, DiLoCoConfig(**case))
+                for t in range(1, steps + 1):
+                    inner_step(model, optimizer, rank, t)
+                    engine.step()
+                engine.close()
+                results.append({"staged": staged, "global": engine.global_parameters(), "handed": list(handed)})
+                handed.clear()
+    return results
+
+
+def test_no_vector_reaches_the_exchange_before_the_copies_that_made_it_have_landed():
+    """Invariant 6 with asynchronous reads: on real gloo processes, the pseudo-gradients read through copies that land
+    only at their wait are handed to the exchange complete (no copy in flight, no NaN of a buffer read too early),
+    and θg is bitwise that of the direct reads."""
+    cases = [
+        dict(inner_steps=4, num_fragments=2, sync_delay=1, steps=9, dtype=torch.float32),
+        dict(inner_steps=4, overlap="eager", steps=9, dtype=torch.bfloat16),
+    ]
+    for rank_results in run_on_processes(_ordered_rounds, 2, cases, timeout_seconds=300):
+        direct, staged = rank_results[: len(cases)], rank_results[len(cases) :]
+        for plain, ours in zip(direct, staged):
+            assert ours["handed"] and all(in_flight == 0 and finite for in_flight, finite in ours["handed"])
+            for name, value in plain["global"].items():
+                assert torch.equal(ours["global"][name], value), name
+
+
 @pytest.mark.parametrize("numel", [1, 7, 4099, 1_000_003])
 @pytest.mark.parametrize(("lr", "momentum", "nesterov"), [(0.7, 0.9, True), (1.0, 0.9, False), (0.5, 0.0, False)])
 def test_the_pieced_outer_step_is_torch_sgd_bit_for_bit(numel, lr, momentum, nesterov):
@@ -169,3 +261,47 @@ def test_other_optimizers_and_settings_step_as_themselves():
     assert not _steps_in_pieces(optimizer, tensor, gradient)
     optimizer_step(torch.optim.SGD([tensor], lr=0.5, weight_decay=0.5), tensor, gradient)
     assert torch.equal(tensor, torch.full((8,), -0.5))
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU lane)")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_reads_go_through_pinned_buffers_with_one_synchronisation(monkeypatch):
+    """GPU lane. CUDA parts are copied asynchronously into pinned host buffers and waited for once per window, and the
+    bits are those of a blocking copy of each part."""
+    from hf_diloco.core import shard
+
+    waits = []
+    wait = shard.HostTransfers.wait
+    monkeypatch.setattr(shard.HostTransfers, "wait", lambda self: waits.append(1) or wait(self))
+    generator = torch.Generator().manual_seed(2)
+    values = torch.randn(300_000, generator=generator)
+    host_parts = [values[:100_000].to(torch.bfloat16), values[100_000:]]
+    parts = [part.cuda() for part in host_parts]
+    start = torch.randn(300_000, generator=generator)
+    ours = concatenated(parts, subtracted_from=start)
+    assert torch.equal(ours, concatenated(host_parts, subtracted_from=start))
+    assert torch.equal(concatenated(parts), concatenated(host_parts))
+    assert len(waits) == 2  # one per read, not one per part
+    pools = [pool for (dtype, pinned), pool in shard._staging_pools.items() if pinned]
+    assert pools and all(buffer.is_pinned() for pool in pools for buffer in pool.tensors())
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_writes_land_in_the_parameters_without_a_gpu_temporary():
+    """GPU lane. Writing θg into bf16 CUDA parameters copies straight into them (no GPU temporary of a piece: the
+    peak allocation does not rise by a piece's bytes) and the copies have landed when the write returns."""
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096, bias=False)).cuda().to(torch.bfloat16)
+    engine = DiLoCo(model, None, DiLoCoConfig(inner_steps=2))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    engine.load_global_weights()
+    assert torch.cuda.current_stream().query()  # nothing of the write is still queued
+    assert torch.cuda.max_memory_allocated() - before < 1 << 20  # the piece is 32 MiB in bf16
+    assert torch.equal(model[0].weight.cpu(), engine.global_parameters()["0.weight"].to(torch.bfloat16))

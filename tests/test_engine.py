@@ -269,6 +269,37 @@ def test_per_fragment_sync_counters_are_logged():
     assert metrics["diloco/outer_steps"] == 4
 
 
+@pytest.mark.parametrize("overlap", ["streaming", "eager"])
+def test_drift_is_measured_at_each_launch_and_logging_reads_no_parameters(overlap, monkeypatch):
+    """`local_global_drift` is ||θm - θg|| / ||θg|| over the fragments, each at its last launch (computed here from the
+    model and θg just before that launch; eager measures from a_m, not θg), and `metrics()` reads no parameter."""
+    from hf_diloco.core import shard
+    from hf_diloco.core.fragments import fragments_launched_at
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=4, num_fragments=2, overlap=overlap))
+    names = engine.fragment_names()
+    params = dict(model.named_parameters())
+    expected: dict[int, tuple[float, float]] = {}
+    reads = []
+    for t in range(1, 11):
+        inner_step(model, optimizer, 0, t)
+        global_now = engine.global_parameters()
+        for index in fragments_launched_at(t, 4, 2):
+            local = torch.cat([params[name].detach().double().reshape(-1) for name in names[index]])
+            glob = torch.cat([global_now[name].double().reshape(-1) for name in names[index]])
+            expected[index] = (float((local - glob).pow(2).sum()), float(glob.pow(2).sum()))
+        engine.step()
+        monkeypatch.setattr(shard.ReplicatedValues, "read", lambda *a, **k: reads.append(1))
+        drift = [engine.metrics()["diloco/local_global_drift"] for _ in range(50)][-1]
+        monkeypatch.undo()
+        want = (sum(d for d, _ in expected.values()) / sum(n for _, n in expected.values())) ** 0.5 if expected else 0
+        assert drift == pytest.approx(want, rel=1e-4, abs=1e-12), t
+    assert not reads
+    assert drift > 0
+
+
 def test_fitted_eager_weight_is_the_least_squares_share_of_the_average():
     """Two workers with equal-norm pseudo-gradients at cosine c: the own vector explains (1 + c) / 2 of their mean."""
     generator = torch.Generator().manual_seed(0)

@@ -23,7 +23,7 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class BufferPool:
-    """Reusable flat fp32 CPU buffers, shared by the fragments of an engine.
+    """Reusable flat host buffers (fp32 by default), shared by the fragments of an engine.
 
     A request is served from the smallest free buffer at least as long, as a view of its first values; when none is,
     a free shorter buffer gives way to a new one of the requested length, so that fragments of different lengths
@@ -31,16 +31,19 @@ class BufferPool:
 
     Args:
         limit: buffers kept at most (those in use included); a request beyond it gets a fresh tensor that is not kept.
+        dtype: the buffers' dtype.
+        pin_memory: page-locked buffers, for asynchronous copies from a GPU (`shard.concatenated`); needs CUDA.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> None:
         if limit < 1:
             raise ValueError(f"BufferPool needs a limit of at least 1 buffer, got {limit}.")
         self.limit = limit
+        self.dtype, self.pin_memory = dtype, pin_memory
         self._buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, its storage's use count while nothing holds it)
 
     def take(self, numel: int) -> torch.Tensor:
-        """A flat fp32 CPU tensor of `numel` values, uninitialised (a view of a kept buffer, or a fresh tensor)."""
+        """A flat host tensor of `numel` values, uninitialised (a view of a kept buffer, or a fresh tensor)."""
         free = [entry for entry in self._buffers if self._is_free(entry)]
         fitting = [buffer for buffer, _ in free if buffer.numel() >= numel]
         if fitting:
@@ -48,10 +51,13 @@ class BufferPool:
         if free:  # a shorter free buffer gives way (compared by identity: `==` on tensors compares their values)
             self._buffers = [entry for entry in self._buffers if entry is not free[0]]
         elif _storage_use_count is None or len(self._buffers) >= self.limit:
-            return torch.empty(numel, dtype=torch.float32)
-        buffer = torch.empty(numel, dtype=torch.float32)
+            return self._fresh(numel)
+        buffer = self._fresh(numel)
         self._buffers.append((buffer, _references(buffer)))
         return buffer[:numel]
+
+    def _fresh(self, numel: int) -> torch.Tensor:
+        return torch.empty(numel, dtype=self.dtype, pin_memory=self.pin_memory)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer the pool keeps, free or in use."""

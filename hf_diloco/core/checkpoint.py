@@ -8,6 +8,11 @@ fragment, plus `divergence_guard` and `shard`; states written then still load an
 Every rank writes its own state. With D data-parallel ranks per worker, each per-fragment tensor holds that rank's
 owned share (`shard.py`), so a rank's state is about 1/D of the outer state; `shard` records which share, and a state
 is only loaded into the same share (the same data-parallel index, D and kind of sharding).
+
+A state is read with `map_location="cpu"` whatever device wrote it, so loading puts every tensor where the running
+engine keeps it: θg, a_m, the optimizers' states and the pseudo-gradient sent with an exchange in flight on the
+fragment's device (`global_copy_device`, resolved to this process's accelerator); the exchange's results (average,
+residual) and the low-rank warm start on the host, where the exchange produces them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .devices import placed
 from .exchange import ExchangeResult, PendingExchange
 from .fragment import InFlight
 from .overlap import in_flight_order
@@ -90,8 +96,10 @@ def load_engine_state(engine: DiLoCo, state: dict) -> None:
         engine.inner_optimizer.load_state_dict(state["inner_optimizer"])
     for index, item in state["pending"].items():
         result = ExchangeResult(item["average"], item["residual"], item["bytes_sent"], item["bytes_sent_intra_worker"])
-        engine.fragments[int(index)].flight = InFlight(
-            PendingExchange.completed(result), item["apply_at"], item["sent"], item.get("estimate_weights")
+        fragment = engine.fragments[int(index)]
+        sent = placed(item["sent"], fragment.device)  # eager subtracts it from the next Δm, which lives there
+        fragment.flight = InFlight(
+            PendingExchange.completed(result), item["apply_at"], sent, item.get("estimate_weights")
         )
     engine.stats = engine.rounds.stats = EngineStats.from_dict(state["stats"])
     for fragment, saved in zip(engine.fragments, state.get("lowrank") or []):

@@ -228,7 +228,11 @@ class DiLoCoConfig:
         },
     )
     global_copy_device: str = field(
-        default="cpu", metadata={"help": "Device of the fp32 global copy and outer optimizer state."}
+        default="cpu",
+        metadata={
+            "help": "Device of the fp32 global copy and outer optimizer state (`cuda` without an index: this "
+            "process's own GPU, the one its parameters are on)."
+        },
     )
     sync_timeout_seconds: float = field(
         default=1800.0,

@@ -30,6 +30,7 @@ from .agreement import (
 from .buffers import BufferPool
 from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig
+from .devices import local_device
 from .elastic import ElasticRounds, Membership
 from .exchange import OuterExchange
 from .fragment import Fragment, InFlight, outer_state_bytes
@@ -234,8 +235,9 @@ class DiLoCo:
             fragment.write_local(fragment.theta_g)
 
     def metrics(self) -> dict[str, float]:
-        """`diloco/*` scalars for logging; computed from local state only (no collective): with D > 1 data-parallel
-        ranks per worker, `local_global_drift` is that of this rank's share."""
+        """`diloco/*` scalars for logging, from local state only (no collective) and from what the syncs already read
+        (no read of the model): `local_global_drift` is ||θm - θg|| / ||θg|| measured at each fragment's last launch
+        (0 before any), with D > 1 data-parallel ranks per worker that of this rank's share."""
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
         logs["diloco/local_global_drift"] = self._relative_drift()
         logs["diloco/inner_step"] = float(self.inner_step)
@@ -260,7 +262,7 @@ class DiLoCo:
             values = ShardedValues(pieces, params, self.model, self.worker)
         else:
             values = ReplicatedValues(pieces, params, self.exchange.granularity(), self.worker)
-        device = torch.device(config.global_copy_device)
+        device = local_device(config.global_copy_device, params.values())  # "cuda": this process's own GPU
         fragment = Fragment(index, pieces, params, device, self._outer_optimizer, values, buffers=self.buffers)
         if config.lowrank_rank:  # the initial Q is seeded by the fragment index, the same on every worker
             fragment.compressor = LowRankCompressor(
@@ -279,7 +281,10 @@ class DiLoCo:
         return torch.optim.SGD([tensor], lr=self.config.outer_lr, momentum=momentum, nesterov=nesterov)
 
     def _launch(self, fragment: Fragment) -> None:
-        delta = fragment.pseudo_gradient(self.overlap.round_start(fragment))
+        start = self.overlap.round_start(fragment)
+        moved = fragment.moved_from(start)
+        fragment.record_drift(moved, start)
+        delta = fragment.with_residual(moved)
         self.stats.pseudo_grad_norm = float(delta.norm())
         if self.elastic is not None:
             self.elastic.launch(fragment, delta)
@@ -338,10 +343,10 @@ class DiLoCo:
         self.stats.outer_state_bytes = outer_state_bytes(self.fragments, residuals + averages, self.buffers.tensors())
 
     def _relative_drift(self) -> float:
-        squared_diff, squared_norm = 0.0, 0.0
-        for fragment in self.fragments:
-            squared_diff += float((fragment.local().to(fragment.device) - fragment.theta_g).pow(2).sum())
-            squared_norm += float(fragment.theta_g.pow(2).sum())
+        """||θm - θg|| / ||θg|| over the fragments, each as measured at its last launch (`Fragment.record_drift`)."""
+        measured = [fragment.drift for fragment in self.fragments if fragment.drift is not None]
+        squared_diff = sum(difference for difference, _ in measured)
+        squared_norm = sum(norm for _, norm in measured)
         return (squared_diff / squared_norm) ** 0.5 if squared_norm > 0 else 0.0
 
 

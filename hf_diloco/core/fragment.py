@@ -109,6 +109,8 @@ class Fragment:
         self.flight: InFlight | None = None
         self.trajectory: Trajectory | None = None
         self.buffers = buffers
+        # (||θm - θg||², ||θg||²) over this rank's runs at the fragment's last launch (None: not launched yet).
+        self.drift: tuple[float, float] | None = None
 
     def names(self) -> list[str]:
         """Names of the parameters the fragment holds rows of, once each."""
@@ -139,6 +141,21 @@ class Fragment:
     def pseudo_gradient(self, start: torch.Tensor) -> torch.Tensor:
         """Δm = start - θm (start: where the round began), plus the error-feedback residual not yet sent."""
         return self.with_residual(self.moved_from(start))
+
+    def record_drift(self, moved: torch.Tensor, start: torch.Tensor) -> None:
+        """Keep ||θm - θg||² and ||θg||² from `moved` = start - θm, just read at a launch, so that logging the drift
+        never reads the model: with start = θg (streaming, delayed) ||θm - θg|| is ||moved||; eager's start a_m is
+        not θg, and θg - θm = moved - (a_m - θg) is summed piece by piece, on the host vectors only."""
+        with torch.no_grad():
+            if start is self.theta_g:
+                difference = float(torch.dot(moved, moved))
+            else:
+                difference = 0.0
+                for first in range(0, moved.numel(), _STEP_PIECE):
+                    piece = slice(first, first + _STEP_PIECE)
+                    gap = moved[piece] - start[piece] + self.theta_g[piece]
+                    difference += float(torch.dot(gap, gap))
+            self.drift = (difference, float(torch.dot(self.theta_g, self.theta_g)))
 
     def moved_from(self, start: torch.Tensor) -> torch.Tensor:
         """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU."""

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from .buffers import BufferPool
 from .fragments import Piece
 from .topology import Topology
 
@@ -209,13 +210,15 @@ class ReplicatedValues:
         return self._rows(index).detach().reshape(-1)
 
     def _write_range(self, first: int, values: torch.Tensor) -> None:
+        written = []
         with torch.no_grad():
             for index, start, lo, hi in self._overlaps(first, first + values.numel()):
                 rows, chunk = self._rows(index), values[lo - first : hi - first]
                 if hi - lo == self._sizes[index]:  # a whole piece: also right for a parameter that is not contiguous
-                    rows.copy_(chunk.view(rows.shape).to(rows.device, rows.dtype))
+                    written.append(write_rows(rows, chunk.view(rows.shape)))
                 else:
-                    rows.view(-1)[lo - start : hi - start].copy_(chunk.to(rows.device, rows.dtype))
+                    written.append(write_rows(rows.view(-1)[lo - start : hi - start], chunk))
+        writes_landed(written)
 
 
 class ShardedValues:
@@ -256,8 +259,11 @@ class ShardedValues:
         """The local shards <- `owned`, after every FSDP module dropped its gathered weights."""
         reshard(self._model)
         with torch.no_grad():
-            for rows, chunk in zip(self._rows(), owned.split(self.owned_sizes())):
-                rows.copy_(chunk.view(rows.shape).to(rows.device, rows.dtype))
+            written = [
+                write_rows(rows, chunk.view(rows.shape))
+                for rows, chunk in zip(self._rows(), owned.split(self.owned_sizes()))
+            ]
+        writes_landed(written)
 
     def gather(self, owned: torch.Tensor) -> torch.Tensor:
         if self.worker.alone:
@@ -275,13 +281,75 @@ class ShardedValues:
 Values = ReplicatedValues | ShardedValues
 
 
+def write_rows(rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """rows <- values (host fp32) in one copy straight into the parameter; returns `rows`.
+
+    For a CUDA parameter `copy_` is a blocking host-to-device copy: torch converts the dtype on the host (a host
+    temporary of the piece in the parameter's dtype, half the bytes for bf16) and copies into `rows` itself when it
+    is contiguous, so no GPU temporary of the piece's size is made (`.to(device, dtype)` first made one, then copied
+    it again on the GPU). On the CPU the bits are those of `.to(dtype)` then copying: the same rounding."""
+    return rows.copy_(values)
+
+
+def writes_landed(written: Sequence[torch.Tensor]) -> None:
+    """Return only once every write into a CUDA parameter among `written` has landed (invariant 6 of
+    docs/design.md): each device's current stream, where the copies ran, is synchronised. A consumer that waits on
+    less than the whole current stream (FSDP2 waiting only on a post-optimizer event, a forward on another stream)
+    then starts after the copies in host order; the blocking copies have already landed, and this keeps it so if a
+    copy ever becomes asynchronous. Nothing to do on the CPU."""
+    for device in {tensor.device for tensor in written if tensor.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+
+
+# Values read through pinned host buffers per synchronisation (128 MB of fp32; two kept per dtype, see `_staged`).
+STAGING_WINDOW = 1 << 25
+_staging_pools: dict[tuple[torch.dtype, bool], BufferPool] = {}
+
+
+class HostTransfers:
+    """Device-to-host copies into pinned buffers, issued asynchronously on each device's current stream, and the one
+    synchronisation after which their results may be read."""
+
+    def __init__(self) -> None:
+        self._devices: set[torch.device] = set()
+
+    def copy(self, host: torch.Tensor, part: torch.Tensor) -> None:
+        host.copy_(part, non_blocking=True)
+        self._devices.add(part.device)
+
+    def wait(self) -> None:
+        """Every copy issued so far has landed (nothing may read a staged buffer before this)."""
+        for device in self._devices:
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+        self._devices.clear()
+
+
+def needs_staging(part: torch.Tensor) -> bool:
+    """Whether a part is read through a pinned host buffer (it lives on an accelerator)."""
+    return part.device.type != "cpu"
+
+
+def staging_buffer(dtype: torch.dtype, numel: int, pinned: bool) -> torch.Tensor:
+    """A host buffer of `numel` values of `dtype`, pinned for a CUDA source, reused across reads (`BufferPool`)."""
+    key = (dtype, pinned)
+    if key not in _staging_pools:
+        _staging_pools[key] = BufferPool(limit=2, dtype=dtype, pin_memory=pinned)
+    return _staging_pools[key].take(numel)
+
+
 def concatenated(
     parts: Sequence[torch.Tensor], out: torch.Tensor | None = None, subtracted_from: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The 1-D `parts` (any dtype and device) as one flat fp32 CPU vector, each converted while it is copied in, or
     `subtracted_from` (an fp32 CPU vector of their total length) minus it: written into `out` (a contiguous fp32 CPU
     vector of that length), else into a fresh one. A CPU part of fp32 or a narrower float is subtracted where it lies,
-    in one pass: fp32 minus it converts it exactly first, so the bits are those of converting, then subtracting."""
+    in one pass: fp32 minus it converts it exactly first, so the bits are those of converting, then subtracting.
+
+    A part on an accelerator is first copied, in its own dtype, into a pinned host buffer with `non_blocking=True`;
+    the copies of up to `STAGING_WINDOW` values are issued together and waited for once (`HostTransfers.wait`)
+    before any of them is read, and then treated as CPU parts: the same bits as a blocking copy per part, one
+    synchronisation instead of one per part (invariant 6 of docs/design.md)."""
     total = sum(part.numel() for part in parts)
     if out is None:
         out = torch.empty(total, dtype=torch.float32)
@@ -291,16 +359,54 @@ def concatenated(
             f"{tuple(out.shape)} on {out.device}."
         )
     at = 0
-    for part in parts:
-        into = out[at : at + part.numel()]
-        if subtracted_from is None:
-            into.copy_(part)
-        elif part.device.type == "cpu" and torch.promote_types(part.dtype, torch.float32) == torch.float32:
-            torch.sub(subtracted_from[at : at + part.numel()], part, out=into)
-        else:
-            torch.sub(subtracted_from[at : at + part.numel()], into.copy_(part), out=into)
-        at += part.numel()
+    for window in _staging_windows(parts):
+        for part in _staged(window):
+            into = out[at : at + part.numel()]
+            if subtracted_from is None:
+                into.copy_(part)
+            elif part.device.type == "cpu" and torch.promote_types(part.dtype, torch.float32) == torch.float32:
+                torch.sub(subtracted_from[at : at + part.numel()], part, out=into)
+            else:
+                torch.sub(subtracted_from[at : at + part.numel()], into.copy_(part), out=into)
+            at += part.numel()
     return out
+
+
+def _staging_windows(parts: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`parts` in order, cut into windows holding at most `STAGING_WINDOW` values to stage (a longer part is sliced)."""
+    windows: list[list[torch.Tensor]] = [[]]
+    staged = 0
+    for part in parts:
+        if not needs_staging(part):
+            windows[-1].append(part)
+            continue
+        for first in range(0, part.numel(), STAGING_WINDOW):
+            piece = part[first : first + STAGING_WINDOW]
+            if staged + piece.numel() > STAGING_WINDOW:
+                windows.append([])
+                staged = 0
+            windows[-1].append(piece)
+            staged += piece.numel()
+    return windows
+
+
+def _staged(window: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The window's parts with each part to stage replaced by its host copy, every copy landed."""
+    staging = [part for part in window if needs_staging(part)]
+    if not staging:
+        return list(window)
+    transfers = HostTransfers()
+    hosts: dict[int, torch.Tensor] = {}
+    for dtype in dict.fromkeys(part.dtype for part in staging):
+        same = [part for part in staging if part.dtype == dtype]
+        buffer = staging_buffer(dtype, sum(part.numel() for part in same), pinned=same[0].device.type == "cuda")
+        at = 0
+        for part in same:
+            hosts[id(part)] = buffer[at : at + part.numel()]
+            transfers.copy(hosts[id(part)], part)
+            at += part.numel()
+    transfers.wait()  # the one synchronisation: nothing below reads a staged buffer before its copy has landed
+    return [hosts.get(id(part), part) for part in window]
 
 
 def _chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:

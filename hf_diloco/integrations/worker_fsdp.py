@@ -94,7 +94,7 @@ def shard_worker_model(model: nn.Module, config: DiLoCoConfig, settings: WorkerF
         ValueError: `wrap_classes` names no module of the model, or the model has no block stack to shard by.
     """
     units = _units(model, settings.wrap_classes)
-    mesh = worker_mesh(config)
+    mesh = worker_mesh(config, model=model)
     options: dict[str, Any] = {
         "mesh": mesh,
         "offload_policy": CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy(),
