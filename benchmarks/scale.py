@@ -1,7 +1,7 @@
 """Host memory and host cost of the engine at scale: the largest Llama this machine fits through the engine, one
 worker unsharded (D = 1) and with D = 2 data-parallel ranks, replicated (DDP) and sharded (FSDP2).
 
-    python -m benchmarks.scale            # a 275 M-parameter Llama; writes benchmarks/results/scale.json and .md
+    python -m benchmarks.scale            # a 278 M-parameter Llama; writes benchmarks/results/scale.json and .md
     python -m benchmarks.scale --smoke    # a tiny Llama, the same code path, in seconds
 
 Each configuration runs in its own fresh processes (one process per rank, real gloo groups), one after the other,
@@ -55,8 +55,8 @@ from hf_diloco import DiLoCo, DiLoCoConfig, Topology, worker_mesh
 
 # label -> (data-parallel ranks per worker D, sharded with FSDP2)
 CONFIGS = {"D=1": (1, False), "D=2 DDP": (2, False), "D=2 FSDP": (2, True)}
-# A Llama of 275 M parameters: 18 layers of hidden 1024 (16 heads, 8 key-value heads, MLP 2816), vocabulary 32000,
-# untied head. With AdamW and plain DiLoCo's outer state, ~9 GB per unsharded process: what fits here (24 GB, other
+# A Llama of 278 M parameters: 18 layers of hidden 1024 (16 heads, 8 key-value heads, MLP 2816), vocabulary 32000,
+# untied head. With AdamW and plain DiLoCo's outer state, ~10 GB per unsharded process: what fits here (24 GB, other
 # jobs beside) for D = 1 and for two ranks of D = 2.
 FULL = dict(hidden=1024, layers=18, intermediate=2816, vocab=32000, heads=16, kv_heads=8, steps=4, inner_steps=2)
 SMOKE = dict(hidden=32, layers=2, intermediate=64, vocab=128, heads=4, kv_heads=2, steps=4, inner_steps=2)
