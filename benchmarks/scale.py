@@ -1,7 +1,7 @@
 """Host memory and host cost of the engine at scale: the largest Llama this machine fits through the engine, one
 worker unsharded (D = 1) and with D = 2 data-parallel ranks, replicated (DDP) and sharded (FSDP2).
 
-    python -m benchmarks.scale            # a 275 M-parameter Llama; writes benchmarks/results/scale.json and .md
+    python -m benchmarks.scale            # a 278 M-parameter Llama; writes benchmarks/results/scale.json and .md
     python -m benchmarks.scale --smoke    # a tiny Llama, the same code path, in seconds
 
 Each configuration runs in its own fresh processes (one process per rank, real gloo groups), one after the other,
@@ -25,7 +25,9 @@ cost is measurable there). Measured per rank, the largest over the ranks, each n
   (D - 1) / D x N x 4 (the updated parameters, gathered in fp32 whatever the parameters' dtype), FSDP2 and D = 1: 0
   (a few scalars of the guards).
 
-The target: the sharded host peak at most 0.6x the unsharded one.
+The ranks run with glibc's mmap threshold fixed at 1 MB (`--mmap_threshold`; see `MALLOC_VARIABLES`), so a peak
+is what was live rather than what a fragmented heap kept. The target: the sharded host peak at most 0.6x the
+unsharded one.
 """
 
 from __future__ import annotations
@@ -53,14 +55,19 @@ from hf_diloco import DiLoCo, DiLoCoConfig, Topology, worker_mesh
 
 # label -> (data-parallel ranks per worker D, sharded with FSDP2)
 CONFIGS = {"D=1": (1, False), "D=2 DDP": (2, False), "D=2 FSDP": (2, True)}
-# A Llama of 275 M parameters: 18 layers of hidden 1024 (16 heads, 8 key-value heads, MLP 2816), vocabulary 32000,
-# untied head. With AdamW and plain DiLoCo's outer state, ~9 GB per unsharded process: what fits here (24 GB, other
+# A Llama of 278 M parameters: 18 layers of hidden 1024 (16 heads, 8 key-value heads, MLP 2816), vocabulary 32000,
+# untied head. With AdamW and plain DiLoCo's outer state, ~10 GB per unsharded process: what fits here (24 GB, other
 # jobs beside) for D = 1 and for two ranks of D = 2.
 FULL = dict(hidden=1024, layers=18, intermediate=2816, vocab=32000, heads=16, kv_heads=8, steps=4, inner_steps=2)
 SMOKE = dict(hidden=32, layers=2, intermediate=64, vocab=128, heads=4, kv_heads=2, steps=4, inner_steps=2)
 OUTER_BYTES_PER_PARAMETER = 16  # θg, outer momentum, pseudo-gradient buffer, average buffer (fp32)
 MARGIN_BYTES = 2 * 2**30  # left free beside a configuration's predicted total before it is started
 SEQUENCE, ROWS = 32, 1
+# glibc raises its mmap threshold up to 32 MB as large blocks are freed, after which freed tensors below it stay in
+# the heap, fragmented: FSDP's per-unit gather and reduce-scatter buffers then hold the peak up (127 M parameters,
+# D = 2 FSDP: 0.88x the unsharded peak with glibc's default, 0.68x at 40 M with a fixed 1 MB threshold against
+# 0.90x without). A fixed threshold returns every freed tensor to the system, so the peak is what is live.
+MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def llama_config(args: argparse.Namespace) -> LlamaConfig:
@@ -169,9 +176,19 @@ def _launch(ranks: int, sharded: list[bool], args: argparse.Namespace) -> list[d
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     job = {"ranks": ranks, "sharded": sharded, "args": vars(args), "threads": 1}
-    with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_rank_main, args=(ranks, port, job, out), nprocs=ranks, join=True)
-        return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
+    saved = {name: os.environ.get(name) for name in MALLOC_VARIABLES}
+    if args.mmap_threshold:  # read by glibc when a process starts: the spawned ranks get it
+        os.environ.update({name: str(args.mmap_threshold) for name in MALLOC_VARIABLES})
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(_rank_main, args=(ranks, port, job, out), nprocs=ranks, join=True)
+            return [torch.load(Path(out) / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def formulas(ranks: int, sharded: bool, sizes: dict[str, int], dtype_bytes: int) -> dict[str, float]:
@@ -239,6 +256,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict:
         "workers": 1,
         "inner_steps": args.inner_steps,
         "steps": args.steps,
+        "mmap_threshold": args.mmap_threshold,
         "configs": rows,
         "target": "sharded peak RSS <= 0.6x the unsharded one",
         "target_met": None if fsdp is None else fsdp <= 0.6,
@@ -306,6 +324,12 @@ def main(argv: list[str] | None = None) -> dict:
     for name, value in FULL.items():
         parser.add_argument(f"--{name}", type=int, default=None, help=f"default {value} ({SMOKE[name]} with --smoke)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the parameters' dtype")
+    parser.add_argument(
+        "--mmap_threshold",
+        type=int,
+        default=2**20,
+        help="glibc MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ of the ranks, bytes (0: glibc's dynamic default)",
+    )
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), help="what to run")
     parser.add_argument("--out", default=f"{RESULTS_DIR}/scale", help="writes OUT.json and OUT.md")
     args = parser.parse_args(argv)
