@@ -731,8 +731,9 @@ def build_stages(
 ) -> list[PipelineStageModule]:
     """Cut `model` into `num_stages` stages and verify that chained they reproduce the unsplit model.
 
-    Every rank of a pipeline calls this on its own copy of the full model (no communication), keeps its stage and may
-    then free the other stages' parameters.
+    Every rank of a pipeline calls this on its own copy of the full model (no communication), where the whole model
+    fits (the CPU, not the training accelerator: the probe and the check run the unsplit forward), keeps its stage and
+    may then free the other stages' parameters (`PipelineRunner.place_own_stage` frees them, then moves the stage).
 
     Args:
         model: the full causal LM.
