@@ -35,12 +35,16 @@ class PlacementRecord:
         self.peak_bytes = 0
         self.calls = 0
 
+    def _alive(self, address: int) -> bool:
+        holders = self._placed[address][1]
+        holders[:] = [holder for holder in holders if _storage_address(holder()) == address]
+        return bool(holders)
+
     def alive_bytes(self) -> int:
         total = 0
-        for address, (nbytes, holders) in list(self._placed.items()):
-            holders[:] = [holder for holder in holders if _storage_address(holder()) == address]
-            if holders:
-                total += nbytes
+        for address in list(self._placed):
+            if self._alive(address):
+                total += self._placed[address][0]
             else:
                 del self._placed[address]
         return total
@@ -52,11 +56,18 @@ class PlacementRecord:
             storage = local.untyped_storage()
             if storage.nbytes() == 0 or local.device.type == "meta":
                 continue
-            entry = self._placed.setdefault(storage.data_ptr(), (storage.nbytes(), []))
+            address = storage.data_ptr()
+            if address in self._placed and not self._alive(address):
+                del self._placed[address]  # a freed storage whose address the allocator gave to this one
+            entry = self._placed.setdefault(address, (storage.nbytes(), []))
             # A DTensor is watched through its local tensor: `Module.to` swaps DTensor parameters
             # (`torch.utils.swap_tensors`), which refuses tensors with weak references.
             entry[1].append(weakref.ref(local if isinstance(tensor, DTensor) else tensor))
         self.peak_bytes = max(self.peak_bytes, self.alive_bytes())
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """Stop counting `tensor`'s storage (see `recording_tensor_to`)."""
+        self._placed.pop(_storage_address(tensor), None)
 
     def targets(self, device: torch.device | str | int | None) -> bool:
         """Whether `device` is the recorded one; no index stands for any (`cpu` and the Trainer's `cpu:0` match)."""
@@ -100,6 +111,10 @@ def record_placements(device: torch.device | str) -> Iterator[PlacementRecord]:
     def recording_tensor_to(tensor, *args, **kwargs):
         result = tensor_to(tensor, *args, **kwargs)
         if isinstance(tensor, nn.Parameter) and record.targets(_target_device(*args, **kwargs)):
+            if result is not tensor:
+                # On CPU `.to("cpu:0")` of a `cpu` tensor copies; on an accelerator a tensor already there is
+                # returned as it is. Either way the placement is the same memory: count it once.
+                record.forget(tensor)
             record.place([result])
         return result
 
