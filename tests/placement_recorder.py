@@ -11,7 +11,9 @@ and never replaces the calls that place parameters and buffers) and keeps, per s
   are there already; on a GPU that moves the whole unit), and the padded shard each `FSDPParam` then keeps.
 
 A placed storage stops counting when no tensor holds it any more (weak references; a parameter whose `.data` was
-replaced lets go of its old storage), as its memory would be returned. Placements only add, so sampling after each one gives the exact peak.
+replaced lets go of its old storage), as its memory would be returned; a copy that `.to` makes of a tensor already
+on the device replaces it (an accelerator would return the tensor itself). Placements only add, so sampling after
+each one gives the exact peak. The device is matched by type, and by index where both name one (`cpu` is `cpu:0`).
 """
 
 from __future__ import annotations
