@@ -341,6 +341,9 @@ def check_two_stage_training(rank: int, arch: str, tied: bool, schedule: str, sa
     max_norm, steps = 0.5, 3
     model, reference = make_model(arch, tied=tied), make_model(arch, tied=tied)
     runner = PipelineRunner(model, rank, 2, schedule=schedule, n_microbatches=2)
+    runner.place_own_stage()  # as a rank with an accelerator starts: the other stages freed, then moved
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in runner.stage_module.parameters())
+    assert all(p.device == runner.device for p in runner.stage_module.parameters())
     optimizer = torch.optim.AdamW(runner.stage_module.parameters(), lr=1e-2, weight_decay=0.1)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     generator = torch.Generator().manual_seed(1)

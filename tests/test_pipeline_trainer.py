@@ -19,6 +19,7 @@ from hf_diloco.pipeline_trainer import SafetensorsFolder
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.engine_common import cpu_trainer_args, tiny_llama
 from tests.pipeline_grid import run_grid
+from tests.placement_recorder import module_bytes, record_placements
 
 VOCAB, SEQ, SAMPLES = 96, 12, 48
 H, STEPS, CHECKPOINT = 4, 8, 6
@@ -96,13 +97,16 @@ def _train(
     scenario: str, out: str, resume: str | None = None, trainer_class: type = DiLoCoTrainer, **overrides
 ) -> DiLoCoTrainer:
     arch, padded, batch, diloco = SCENARIOS[scenario]
-    trainer = trainer_class(
-        model=_model(arch),
-        args=_args(out, batch, **{**diloco, **overrides}),
-        train_dataset=_dataset(padded),
-        eval_dataset=_dataset(padded, seed=99).select(range(13)),
-    )
-    trainer.train(resume_from_checkpoint=resume)
+    args = _args(out, batch, **{**diloco, **overrides})
+    with record_placements(args.device) as placements:  # construction and training: every start-up placement
+        trainer = trainer_class(
+            model=_model(arch),
+            args=args,
+            train_dataset=_dataset(padded),
+            eval_dataset=_dataset(padded, seed=99).select(range(13)),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+    trainer.placed_peak_bytes = placements.peak_bytes
     return trainer
 
 
@@ -115,6 +119,8 @@ def _summary(trainer: DiLoCoTrainer) -> dict:
         "optimizer_params": sum(p.numel() for group in trainer.optimizer.param_groups for p in group["params"]),
         "model_numel": sum(p.numel() for p in trainer.model.parameters()),
         "classes": [cls.__name__ for cls in type(trainer).__mro__[:3]],
+        "placed_peak_bytes": trainer.placed_peak_bytes,
+        "stage_bytes": module_bytes(trainer.pipeline_runner.stage_module) if trainer.pipeline_runner else None,
     }
 
 
@@ -226,6 +232,28 @@ def test_one_worker_two_stages_equals_no_pipeline(runs, scenario):
         # Pipelining is decided once, at construction: DiLoCoTrainer(...) built the pipelined class.
         assert run["classes"] == ["PipelinedDiLoCoTrainer", "PipelineTrainerMixin", "DiLoCoTrainer"]
     assert single[scenario]["classes"][:2] == ["DiLoCoTrainer", "EngineLifecycle"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("scenario", list(PIPELINE))
+def test_no_stage_places_more_than_itself_and_one_unit_on_the_training_device(runs, scenario):
+    """Every parameter and buffer placed on the training device while it stays alive, from construction through
+    training (`tests.placement_recorder`, the CPU standing in for the GPU): a stage's rank holds at most its own stage
+    plus the largest unit (a block, or the embeddings and head), never the whole model, also when resumed; the
+    unpipelined trainer places the whole model, so the record sees the Trainer's placements."""
+    _, two, four, single = runs
+    model = _model(SCENARIOS[scenario][0])
+    whole = module_bytes(model)
+    blocks = model.get_submodule("model.layers" if scenario == "llama" else "transformer.h")
+    largest_unit = max([module_bytes(block) for block in blocks] + [whole - sum(map(module_bytes, blocks))])
+    assert single[scenario]["placed_peak_bytes"] >= whole
+    runs_of_stages = [rank[scenario] for rank in two]
+    if scenario == "llama":
+        runs_of_stages += [rank["resumed"] for rank in two] + [rank["pipeline_2w"] for rank in four]
+    for run in runs_of_stages:
+        bound = run["stage_bytes"] + largest_unit
+        assert bound < whole, "the bound must exclude a whole copy"
+        assert run["stage_bytes"] <= run["placed_peak_bytes"] <= bound, (run["placed_peak_bytes"], bound, whole)
 
 
 @pytest.mark.timeout(900)

@@ -22,6 +22,7 @@ from hf_diloco.integrations.worker_fsdp import WorkerFSDPSettings, full_state_di
 from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import run_on_processes
 from tests.engine_common import assert_resumed_bitwise, cpu_trainer_args, tiny_llama
+from tests.placement_recorder import module_bytes, record_placements
 
 VOCAB, SEQ, SAMPLES = 128, 16, 96
 H, STEPS, MID_ROUND_CHECKPOINT = 4, 12, 6
@@ -49,8 +50,10 @@ def _train(output_dir: Path, resume: Path | None = None, **fsdp) -> DiLoCoTraine
         **DILOCO,
     )
     model = tiny_llama(VOCAB, layers=2, max_positions=SEQ, tie_word_embeddings=True)
-    trainer = DiLoCoTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8, seed=99))
-    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    with record_placements(args.device) as placements:  # construction and training: every start-up placement
+        trainer = DiLoCoTrainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8, seed=99))
+        trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    trainer.placed_peak_bytes = placements.peak_bytes
     return trainer
 
 
@@ -64,6 +67,7 @@ def _record(trainer: DiLoCoTrainer) -> dict:
         "mesh": sorted({tuple(p.device_mesh.mesh.tolist()) for p in params if isinstance(p, DTensor)}),
         "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params),
         "is_ddp": isinstance(trainer.model_wrapped, DistributedDataParallel),
+        "placed_peak_bytes": trainer.placed_peak_bytes,
         "eval_loss": trainer.evaluate()["eval_loss"],
     }
 
@@ -109,6 +113,30 @@ def test_fsdp_shards_over_the_worker_and_equals_the_replicated_worker(runs):
             assert sharded["losses"][step] == pytest.approx(loss, abs=1e-5), (rank, step)
         assert sharded["eval_loss"] == pytest.approx(replicated["eval_loss"], abs=1e-5)
     assert results[0]["sharded"]["losses"] != results[RANKS]["sharded"]["losses"], "workers read other shards"
+
+
+@pytest.mark.timeout(900)
+def test_no_rank_places_more_than_its_shard_and_one_unit_on_the_training_device(runs):
+    """Every parameter and buffer the Trainer, Accelerate and FSDP2 place on the training device, counted while it
+    stays alive (`tests.placement_recorder`, the CPU standing in for the GPU): a sharded rank never holds more than
+    its half of the model plus the largest unit being cut (a block, or the root's embedding and norm), from
+    construction through training and the resume; the replicated run places the whole model, so the record sees the
+    Trainer's placements."""
+    _, results = runs
+    model = tiny_llama(VOCAB, layers=2, max_positions=SEQ, tie_word_embeddings=True)
+    whole = module_bytes(model)
+    largest_unit = max(
+        [module_bytes(block) for block in model.model.layers]
+        + [whole - sum(module_bytes(block) for block in model.model.layers)]
+    )
+    padding = 4 * 64  # FSDP pads each parameter to a multiple of D rows
+    bound = whole // RANKS + padding + largest_unit
+    assert bound < whole, "the bound must exclude a whole copy"
+    for rank, result in enumerate(results):
+        assert result["replicated"]["placed_peak_bytes"] >= whole, rank
+        for run in ("sharded", "resumed"):
+            placed = result[run]["placed_peak_bytes"]
+            assert whole // RANKS <= placed <= bound, (rank, run, placed, bound, whole)
 
 
 @pytest.mark.timeout(900)

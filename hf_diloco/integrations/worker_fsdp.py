@@ -90,6 +90,10 @@ def shard_worker_model(model: nn.Module, config: DiLoCoConfig, settings: WorkerF
     """`fully_shard` `model` in place over this rank's worker mesh: its units (see `WorkerFSDPSettings`), then the
     root. Every rank calls it at the same point (it creates the worker meshes); returns `model`.
 
+    Call it on the model where it was built (the CPU), not after moving it whole to the accelerator: `fully_shard`
+    moves each unit to the mesh's device as it cuts it and keeps only this rank's shard there, so the device never
+    holds more than the shards plus the unit being cut.
+
     Raises:
         ValueError: `wrap_classes` names no module of the model, or the model has no block stack to shard by.
     """

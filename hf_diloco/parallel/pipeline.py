@@ -605,6 +605,13 @@ class PipelineStageModule(nn.Module):
         """The full model whose forward every stage runs."""
         return self._model[0]
 
+    def reattach_buffers(self) -> None:
+        """Hold the full model's current buffers again (after `full_model.to(...)` replaced them)."""
+        if self.is_first:
+            buffers = dict(self.full_model.named_buffers(remove_duplicate=False))
+            for name in self.plan.direct_buffers:
+                _attach_tensor(self, name, buffers[name])
+
     @contextlib.contextmanager
     def _standing_in(self, received: torch.Tensor | None) -> Iterator[None]:
         stack = self.full_model.get_submodule(self.plan.blocks)
@@ -658,6 +665,15 @@ def _released_except(model: nn.Module, stage: nn.Module) -> Iterator[None]:
     finally:
         for param, data in saved:
             param.data = data
+
+
+def free_other_stages(model: nn.Module, stage: nn.Module) -> None:
+    """Release the storage of every parameter of `model` that `stage` does not hold (a tied copy it holds stays)."""
+    own = {id(p) for p in stage.parameters()}
+    with torch.no_grad():
+        for param in model.parameters():
+            if id(param) not in own:
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -715,8 +731,9 @@ def build_stages(
 ) -> list[PipelineStageModule]:
     """Cut `model` into `num_stages` stages and verify that chained they reproduce the unsplit model.
 
-    Every rank of a pipeline calls this on its own copy of the full model (no communication), keeps its stage and may
-    then free the other stages' parameters.
+    Every rank of a pipeline calls this on its own copy of the full model (no communication), where the whole model
+    fits (the CPU, not the training accelerator: the probe and the check run the unsplit forward), keeps its stage and
+    may then free the other stages' parameters (`PipelineRunner.place_own_stage` frees them, then moves the stage).
 
     Args:
         model: the full causal LM.
@@ -815,20 +832,23 @@ def _clip_grad_norm(stage_module, max_norm, group, norm_type, exclude, reduce: b
 class PipelineRunner:
     """Runs one rank's stage of a pipeline-parallel worker: forward, backward, loss, clipping, saving.
 
-    Every rank of the pipeline group builds the same model (or loads it), creates its runner with its own stage
-    index and calls `train_step` with the *same* batch; the optimizer step is the caller's, on
-    `runner.stage_module.parameters()`. The stage index must equal the rank inside `group` (ranks of a pipeline are
+    Every rank of the pipeline group builds the same model (or loads it) on the CPU, creates its runner with its own
+    stage index and the training `device`, calls `place_own_stage()` (the other stages freed, this one moved to
+    `device`: the whole model never reaches the accelerator) and calls `train_step` with the *same* batch; the
+    optimizer step is the caller's, on `runner.stage_module.parameters()`. The stage index must equal the rank inside `group` (ranks of a pipeline are
     ordered by stage).
 
     Args:
-        model: the full causal LM; the stage shares its parameters, the rest can be freed.
+        model: the full causal LM, where the plan and the start-up check run (the CPU, or wherever it fits); the
+            stage shares its parameters, the rest can be freed (`place_own_stage`).
         stage_index: this rank's stage.
         num_stages: number of stages.
         group: the pipeline group (the stages of one replica); `None` is the default group.
         schedule: `"1f1b"` (needs `n_microbatches >= num_stages`) or `"gpipe"`.
         n_microbatches: micro-batches per step; must divide the batch size.
         data_parallel_group: replicas of this stage inside the worker; gradients are averaged over it (as DDP does).
-        device: where the stage runs; defaults to the device of the model's parameters.
+        device: where the stage runs (`place_own_stage` moves it there); defaults to the device of the model's
+            parameters.
         check_inputs: probe and start-up check batch (`input_ids`, `attention_mask`); default `check_batch(model)`.
 
     Attributes:
@@ -873,6 +893,15 @@ class PipelineRunner:
             device = next(self.stage_module.parameters()).device
         self.device = torch.device(device)
         self._schedules: dict[tuple, object] = {}
+
+    def place_own_stage(self) -> None:
+        """Free every parameter of the full model that this stage does not hold, then move what is left to `device`:
+        this stage's parameters and the model's buffers (every stage runs the model's own forward, which may read
+        any of them). Nothing of another stage ever reaches `device`."""
+        model = self.stage_module.full_model
+        free_other_stages(model, self.stage_module)
+        model.to(self.device)
+        self.stage_module.reattach_buffers()  # `Module.to` replaced the model's buffers by moved ones
 
     @property
     def is_first(self) -> bool:

@@ -4,7 +4,9 @@ With `pipeline_stages` = S > 1 a worker is S x `data_parallel_per_worker` = D pr
 form a pipeline (`hf_diloco.parallel.pipeline.PipelineRunner`), D pipelines train side by side inside the worker, and M
 workers sync through the outer loop (world = M x D x S). Every rank holds only its own stage: its parameters (those
 of the other stages are freed after the stage is cut), the inner optimizer state of the stage, and the stage's part
-of theta_g and of the outer optimizer state (DiLoCoX's dual optimizer policy). The outer exchange of a stage runs
+of theta_g and of the outer optimizer state (DiLoCoX's dual optimizer policy). The model stays where it was built
+(the CPU) through the pipeline's plan and start-up check; the other stages are then freed and only this rank's stage
+is moved to the training device, so no rank ever places the whole model there. The outer exchange of a stage runs
 among the same-stage ranks of all workers only.
 
 `DiLoCoTrainer(...)` with `pipeline_stages` > 1 builds a `PipelinedDiLoCoTrainer` (of a subclass: the same class
@@ -94,13 +96,21 @@ class PipelineTrainerMixin:
             data_parallel_group=topology.data_parallel_group,
             device=args.device,
         )
-        _free_other_stages(self.model, self.pipeline_runner.stage_module)
+        # The plan and the start-up check ran where the model was built (the Trainer left it there, see
+        # `_move_model_to_device`); only this rank's stage reaches the training device.
+        self.pipeline_runner.place_own_stage()
         self._tied_pair = bool(self.pipeline_runner.tied_parameters())
         self._engine_module = _without(
             self.pipeline_runner.stage_module, self.pipeline_runner.stage_module.tied_copy_names
         )
         if self._tied_pair:
             self.add_callback(_TiedCopyCallback(self))
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # The Trainer moves the whole model in its `__init__`, before the stages exist: that move waits for
+        # `place_own_stage`, which moves this rank's stage only. Later moves find the other stages freed.
+        if self.pipeline_runner is not None:
+            super()._move_model_to_device(model, device)
 
     # ---- what the DiLoCo engine trains ----
 
@@ -405,12 +415,3 @@ def _without(module: nn.Module, names: tuple[str, ...]) -> nn.Module:
     for name, buffer in module.named_buffers(recurse=False):
         view.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
     return view
-
-
-def _free_other_stages(model: nn.Module, stage_module: nn.Module) -> None:
-    """Release the storage of every parameter that this rank's stage does not own (a tied copy it owns stays)."""
-    own = {id(p) for p in stage_module.parameters()}
-    with torch.no_grad():
-        for param in model.parameters():
-            if id(param) not in own:
-                param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -7,6 +7,9 @@ With `fsdp` set (`--fsdp`, `fsdp=True` or a legacy string, with or without `fsdp
   Accelerate switches FSDP off altogether), so the same route runs on CPU and GPU;
 - `fully_shard`s the model over `hf_diloco.worker_mesh(config)` once, in `__init__`, before the inner optimizer
   exists, and leaves it unwrapped (no DDP: FSDP2 averages the gradients over the worker's ranks);
+- keeps the model where it was built (the CPU) until then: the Trainer's own move of the whole model waits for the
+  sharding, and `fully_shard` moves each unit to the mesh's device as it cuts it, keeping this rank's shard there, so
+  a rank's accelerator never holds more than its shards plus the unit being cut;
 - saves by gathering the full state dict inside each worker (every rank takes part; the saving rank writes one
   normal `save_pretrained` folder) and loads a folder by cutting each rank's rows out of it, with no collective.
 
@@ -16,9 +19,10 @@ engine keeps 1/D of the outer state on every rank.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from ..worker_fsdp import WorkerFSDPSettings, full_state_dict, load_full_state_dict, shard_worker_model
+from ..worker_fsdp import WorkerFSDPSettings, full_state_dict, holds_shards, load_full_state_dict, shard_worker_model
 from .attributes import temporarily_set
 from .pipeline_stages import SafetensorsFolder
 
@@ -36,6 +40,13 @@ class WorkerSharding:
     def create_accelerator_and_postprocess(self) -> None:
         with temporarily_set(self.args, "fsdp_plugin_args", None):
             super().create_accelerator_and_postprocess()
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # The Trainer moves the whole model in its `__init__` (no FSDP plugin, so `place_model_on_device` is True),
+        # which would put a whole copy on every accelerator before `fully_shard`: the model stays where it was built
+        # until it is sharded. Once sharded, a move moves this rank's shards only.
+        if self.args.fsdp_plugin_args is None or holds_shards(model):
+            super()._move_model_to_device(model, device)
 
     def _shard_model_over_worker(self) -> None:
         """`fully_shard` the model over this rank's worker when `fsdp` is set (every rank, once, in `__init__`)."""
