@@ -170,3 +170,14 @@ def test_bf16_replicas_share_updates_bitwise_in_their_dtype_on_the_training_grou
     for result in results:
         assert result["stats"]["bytes_sent_intra_worker"] == expected
 
+
+@pytest.mark.timeout(300)
+def test_replicated_ranks_store_the_inner_optimizer_once_per_worker_and_resume_bitwise(bf16_replicas):
+    _, results = bf16_replicas
+    for worker in range(2):
+        first, second = results[2 * worker], results[2 * worker + 1]
+        # The second rank's file leaves the inner optimizer (AdamW's two moments) to the first rank's.
+        assert first["inner_bytes"] > 0 and second["file_bytes"] < first["file_bytes"] - first["inner_bytes"]
+    for result in results:
+        for label in ("resumed", "resumed_old"):  # this layout and the one with every rank's own inner state
+            assert all(torch.equal(result[label][n], result["local"][n]) for n in result["local"]), label
