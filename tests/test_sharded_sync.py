@@ -181,3 +181,58 @@ def test_replicated_ranks_store_the_inner_optimizer_once_per_worker_and_resume_b
     for result in results:
         for label in ("resumed", "resumed_old"):  # this layout and the one with every rank's own inner state
             assert all(torch.equal(result[label][n], result["local"][n]) for n in result["local"]), label
+
+
+def _nccl_replica(rank: int, world: int, port: int, out: str) -> None:
+    """One rank of a worker of two CUDA ranks (default group "cpu:gloo,cuda:nccl"): bf16 parameters on its GPU."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", rank)
+        model = tiny_model().to(device=device, dtype=torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+        engine = DiLoCo(model, optimizer, DiLoCoConfig(data_parallel_per_worker=2, inner_steps=2))
+        ddp = DistributedDataParallel(model, device_ids=[rank], process_group=engine.topology.data_parallel_group)
+        for t in range(1, 6):
+            ids = _worker_batch(0, t)[rank * BATCH // 2 : (rank + 1) * BATCH // 2].to(device)
+            ddp(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            engine.step()
+        engine.close()
+        carrier, on = engine.worker.parameter_carrier(device)
+        result = {
+            "local": {n: p.detach().cpu() for n, p in model.named_parameters()},
+            "global": engine.global_parameters(),
+            "on_device": carrier is engine.topology.data_parallel_group and on == device,
+            "still_on_device": all(p.device == device for p in model.parameters()),
+        }
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="NCCL inside a worker needs two CUDA devices; the gloo test above runs the same code on the CPU",
+)
+def test_bf16_replicas_share_updates_over_nccl_on_their_device(tmp_path):
+    """The parameter gather on the training group's NCCL backend, on the GPUs: replicas bitwise equal, the bf16
+    rounding of θg, nothing moved off the device."""
+    import torch.multiprocessing as mp
+
+    from tests.dist_utils import free_port
+
+    mp.spawn(_nccl_replica, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    first, second = (torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2))
+    for result in (first, second):
+        assert result["on_device"] and result["still_on_device"]
+        for name, value in result["global"].items():
+            assert torch.equal(result["local"][name], value.to(torch.bfloat16)), name
+    assert all(torch.equal(first["local"][n], second["local"][n]) for n in first["local"])
