@@ -15,14 +15,17 @@ Per sync of one fragment (1/P of the model) on a worker, the model is:
   its own share); the stages `engine.step()` runs on the training thread (pseudo-gradient, outer step, unflatten:
   `main`) and those the background exchange runs (encode, decode, sum, and deflate/inflate with `--entropy_coding`:
   `exchange`);
+- inside the worker, on the training thread: the D ranks all-gather the updated fragment in the parameters' dtype
+  (`--parameter_bytes`), (D - 1) / D of it per rank, at `--intra_node_gbytes` (NVLink); each rank copies its 1/D
+  share to the host at the launch and back at the apply, 2 / D of the fragment, at `--host_copy_gbytes` (PCIe);
 - period = the compute between two fragment launches, H / P steps x the step time; window = the compute an
   exchange can hide behind, τ steps (0: blocking; `--sync_delay`);
-- utilization = period / (period + main + max(0, exchange + transfer - window)).
+- utilization = period / (period + main + intra + copies + max(0, exchange + transfer - window)).
 
 Step times are published measurements of 8 (64 for 70B) H100 80GB GPUs in bf16, cited in `STEP_TIMES`; a worker is
 that many GPUs, its step that row's batch. The host costs are this machine's (2 shared AMD EPYC cores, no GPU): the
 flatten and unflatten copies stand in for the device-host copies, so a real host with more cores and pinned memory
-is faster than this projects, and the PCIe copy is not modelled.
+is faster than this projects; the PCIe copies and the gather inside the worker are modelled at nominal rates.
 
 `--validate WAN_JSON` predicts every `diloco` and `streaming` run of a `benchmarks.wan` result file from the same
 model (its own measured compute per step, its rate, its H, P, τ and codec) and prints predicted next to measured
@@ -69,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--links", type=float, nargs="+", default=[1.0, 10.0], help="Link bandwidths, Gbit/s.")
     parser.add_argument("--link_efficiency", type=float, default=1.0, help="Share of the link rate an exchange gets.")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--parameter_bytes", type=int, default=2, help="Bytes per parameter on the GPUs (2: bf16; 4: fp32 + autocast)."
+    )
+    parser.add_argument(
+        "--intra_node_gbytes", type=float, default=300.0, help="GB/s of a rank's all-gather inside a worker (NVLink)."
+    )
+    parser.add_argument(
+        "--host_copy_gbytes", type=float, default=25.0, help="GB/s of a rank's device-host copies (PCIe)."
+    )
     parser.add_argument("--compression", default="fp4")
     parser.add_argument("--exchange_pattern", default="reduce_scatter", choices=sorted(EXCHANGE_STAGES))
     parser.add_argument("--entropy_coding", action="store_true", help="Adds deflate and inflate to the host cost.")
@@ -128,8 +140,17 @@ def sync_bytes(parameters: float, compression: str, pattern: str, workers: int) 
     return exchange_bytes(pattern, workers, payload)
 
 
+def inside_worker(parameters: float, gpus: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """(bytes each rank sends inside the worker, their seconds, device-host copy seconds) of one sync of `parameters`
+    values: the all-gather of the update in the parameters' dtype, and each rank's share copied out and back."""
+    intra = (gpus - 1) / gpus * parameters * args.parameter_bytes
+    copied = 2 * parameters / gpus * args.parameter_bytes
+    return intra, intra / (args.intra_node_gbytes * 1e9), copied / (args.host_copy_gbytes * 1e9)
+
+
 def utilization(period: float, main: float, exchange: float, transfer: float, window: float) -> float:
-    """Compute / wall time of one fragment period: the exchange's excess over its window stalls the training."""
+    """Compute / wall time of one fragment period: the exchange's excess over its window stalls the training
+    (`main`: every second of the training thread, the copies and the gather inside the worker included)."""
     return period / (period + main + max(0.0, exchange + transfer - window))
 
 
@@ -145,6 +166,7 @@ def project(args: argparse.Namespace, rates: dict[str, float]) -> list[dict]:
                 rates, gigabytes, args.compression, args.exchange_pattern, args.workers, args.entropy_coding
             )
             sent = sync_bytes(parameters / fragments, args.compression, args.exchange_pattern, args.workers)
+            intra_bytes, intra, copies = inside_worker(parameters / fragments, gpus, args)
             for link in args.links:
                 transfer = sent * 8 / (link * 1e9 * args.link_efficiency)
                 period, window = inner_steps / fragments * step, delay * step
@@ -161,9 +183,12 @@ def project(args: argparse.Namespace, rates: dict[str, float]) -> list[dict]:
                         "transfer_seconds": transfer,
                         "main_seconds": main,
                         "exchange_seconds": exchange,
+                        "intra_worker_bytes": intra_bytes,
+                        "intra_worker_seconds": intra,
+                        "host_copy_seconds": copies,
                         "period_seconds": period,
                         "window_seconds": window,
-                        "utilization": utilization(period, main, exchange, transfer, window),
+                        "utilization": utilization(period, main + intra + copies, exchange, transfer, window),
                     }
                 )
     return rows
@@ -210,12 +235,14 @@ def print_projection(rows: list[dict], args: argparse.Namespace, threads: int) -
     print(
         f"{args.compression}, {args.exchange_pattern}, M = {args.workers}"
         f"{', entropy coding' if args.entropy_coding else ''}; link efficiency {args.link_efficiency:g}; "
+        f"{args.parameter_bytes}-byte parameters, inside a worker {args.intra_node_gbytes:g} GB/s, "
+        f"device-host copies {args.host_copy_gbytes:g} GB/s; "
         f"host costs of {args.costs} ({threads} threads); "
         f"step times: {STEP_SOURCE}\n"
     )
     header = (
         "| model (GPUs per worker, step) | P | H | τ | link | bytes per sync | transfer | host CPU (main + exchange) "
-        "| compute window | period | utilization |"
+        "| inside the worker (gather + copies) | compute window | period | utilization |"
     )
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
@@ -224,6 +251,7 @@ def print_projection(rows: list[dict], args: argparse.Namespace, threads: int) -
             f"| {r['model']} ({r['gpus']}, {r['step_seconds']:.2f} s) | {r['fragments']} | {r['inner_steps']} | "
             f"{r['sync_delay']} | {r['link_gbit']:g} Gbit/s | {r['bytes_per_sync'] / 1e9:.2f} GB | "
             f"{r['transfer_seconds']:.1f} s | {r['main_seconds']:.1f} + {r['exchange_seconds']:.1f} s | "
+            f"{r['intra_worker_bytes'] / 1e9:.2f} GB: {r['intra_worker_seconds']:.2f} + {r['host_copy_seconds']:.2f} s | "
             f"{r['window_seconds']:.1f} s | {r['period_seconds']:.0f} s | {r['utilization']:.3f} |"
         )
 

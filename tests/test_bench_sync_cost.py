@@ -82,8 +82,16 @@ def test_projection_bytes_period_and_host_time_follow_the_formulas(costs, capsys
     main = per_rank_gb * sum(1 / rate[s] for s in ("pseudo-gradient", "outer step", "unflatten"))
     exchange = per_rank_gb * (1.5 / rate["fp4 encode"] + 1 / rate["fp4 sum"] + 1 / rate["fp4 decode"])
     assert row["main_seconds"] == pytest.approx(main) and row["exchange_seconds"] == pytest.approx(exchange)
+    # Inside the worker: (D - 1) / D of the fragment in bf16 over NVLink at 300 GB/s; 2 / D of it over PCIe at 25 GB/s.
+    intra_bytes = (gpus - 1) / gpus * parameters / 4 * 2
+    assert row["intra_worker_bytes"] == pytest.approx(intra_bytes)
+    assert row["intra_worker_seconds"] == pytest.approx(intra_bytes / 300e9)
+    assert row["host_copy_seconds"] == pytest.approx(2 * parameters / 4 / gpus * 2 / 25e9)
     stall = max(0.0, exchange + row["transfer_seconds"] - step)
-    assert row["utilization"] == pytest.approx(row["period_seconds"] / (row["period_seconds"] + main + stall))
+    training_thread = main + row["intra_worker_seconds"] + row["host_copy_seconds"]
+    assert row["utilization"] == pytest.approx(
+        row["period_seconds"] / (row["period_seconds"] + training_thread + stall)
+    )
     assert "| 7B (8, 1.15 s) | 4 | 100 | 1 | 1 Gbit/s |" in capsys.readouterr().out
 
 

@@ -8,8 +8,9 @@ worker (its outer group). So every rank holds 1/D of the outer state, and the D 
 - **Replicated workers** (DDP, or D = 1; `ReplicatedValues`): every rank holds the whole model. Rank k owns the
   contiguous range `[k L, (k + 1) L)` of the vector, where `L` is the vector's length padded to a multiple of
   `D x M x block` (`granularity`), divided by D: the shards the exchange has always averaged. After an apply each
-  rank writes its range into the model and the worker all-gathers the ranges over its fast link (`Worker`, on the
-  training thread), so every replica holds the same weights again before `step()` returns.
+  rank converts its range to the parameters' dtype and the worker all-gathers the ranges on its training group
+  (DDP's: NCCL on GPU, gloo on CPU), on the parameters' device, into the model's rows where a range lies in one
+  piece (`Worker.share`, on the training thread), so every replica holds the same bits again before `step()` returns.
 - **Sharded workers** (FSDP2, `fully_shard` over `hf_diloco.worker_mesh`; `ShardedValues`): rank k holds rows of every
   parameter, its DTensor's local shard. It owns exactly the values it holds, piece by piece, and writes them into its
   shards; nothing is gathered (FSDP gathers the weights for the forward). Before writing, every FSDP module is
@@ -71,7 +72,9 @@ class ShardLayout:
 
 class Worker:
     """Collectives among the D ranks of this rank's worker (same pipeline stage) that the engine runs on the training
-    thread, over `topology.shard_group` (gloo, CPU tensors). Alone (D = 1) each is a local no-op.
+    thread. The agreements and gathers of outer state run over `topology.shard_group` (gloo, CPU tensors); the updated
+    parameters (`share`) over the training group DDP uses (`topology.data_parallel_group`), in their own dtype and on
+    their device. Alone (D = 1) each is a local no-op.
 
     Args:
         topology: this rank's groups.
@@ -82,7 +85,24 @@ class Worker:
         self.size = topology.data_parallel_size
         self.index = topology.dp_index
         self.group = topology.shard_group
+        self.training_group = topology.data_parallel_group
         self._count_bytes = count_bytes
+
+    def parameter_carrier(self, device: torch.device) -> tuple[dist.ProcessGroup | None, torch.device]:
+        """The group and device that carry parameters held on `device` among the worker's ranks: the training group
+        on `device` itself when its backend takes tensors there (NCCL for CUDA, gloo for CPU), else the shard group
+        on the CPU."""
+        if self.training_group is not None and _backend_carries(self.training_group, device):
+            return self.training_group, device
+        return self.group, torch.device("cpu")
+
+    def share(self, parts: Sequence[torch.Tensor], mine: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """`parts[k]` <- rank k's `mine` (all of one length, dtype and device), over `group` (`parameter_carrier`).
+
+        Synchronous on the training thread: on NCCL the current stream waits for the gather before the next kernel
+        reads `parts`, and no DDP collective is in flight between steps, so nothing interleaves with it."""
+        dist.all_gather(list(parts), mine, group=group)
+        self._count_bytes((self.size - 1) * mine.nbytes)
 
     @property
     def alone(self) -> bool:
@@ -172,16 +192,29 @@ class ReplicatedValues:
         return concatenated(rows, out, subtracted_from)
 
     def write(self, owned: torch.Tensor) -> None:
-        """θm <- `owned` over this rank's runs, and the other ranks' runs from them (an all-gather in windows)."""
+        """θm <- `owned` over this rank's runs, and the other ranks' runs from them: each rank converts its runs to the
+        parameters' dtype and the worker all-gathers them in windows (`Worker.share`), so every replica receives the
+        bits the owner converted, and every rank writes its own runs from the same gathered bits."""
         if self.worker.alone:
             self._write_range(0, owned)
             return
+        dtype, device = self._parameter_dtype_and_device()
+        group, device = self.worker.parameter_carrier(device)
         lengths = [self.layout.length(k) for k in range(self.worker.size)]
         for begin in range(0, self.span, self.share_window):
             window = [max(0, min(self.share_window, length - begin)) for length in lengths]
-            parts = self.worker.all_gather(owned[begin : begin + window[self.worker.index]], window)
-            for rank, part in enumerate(parts):
-                self._write_range(rank * self.span + begin, part)
+            longest = max(window)
+            if longest == 0:
+                continue
+            mine = torch.zeros(longest, dtype=dtype, device=device)
+            mine[: window[self.worker.index]].copy_(owned[begin : begin + window[self.worker.index]])
+            firsts = [rank * self.span + begin for rank in range(self.worker.size)]
+            landings = [self._landing(first, longest, dtype, device) for first in firsts]
+            parts = [torch.empty_like(mine) if rows is None else rows for rows in landings]
+            self.worker.share(parts, mine, group)
+            for first, part, length, rows in zip(firsts, parts, window, landings):
+                if rows is None:
+                    self._copy_rows(first, part[:length])
 
     def gather(self, owned: torch.Tensor) -> torch.Tensor:
         """The whole flat vector of an owned vector (θg, say) from every rank of the worker."""
@@ -189,6 +222,33 @@ class ReplicatedValues:
             return owned
         lengths = [self.layout.length(k) for k in range(self.worker.size)]
         return self.layout.assemble(self.worker.all_gather(owned, lengths))
+
+    def _parameter_dtype_and_device(self) -> tuple[torch.dtype, torch.device]:
+        """The dtype the worker shares updated values in, and where: the parameters' dtype (the widest of them if the
+        fragment mixes dtypes, so each piece still gets a single rounding from fp32) and their device (the CPU if they
+        lie on several)."""
+        params = [self._params[piece.name] for piece in self.pieces]
+        dtype = params[0].dtype if params else torch.float32
+        for param in params[1:]:
+            dtype = torch.promote_types(dtype, param.dtype)
+        devices = {param.device for param in params}
+        return dtype, devices.pop() if len(devices) == 1 else torch.device("cpu")
+
+    def _landing(self, first: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The model's own flat rows for the values `[first, first + length)` when they lie in one piece of that dtype
+        and device (the gather then writes them in place), else None."""
+        for index, start, lo, hi in self._overlaps(first, first + length):
+            param = self._params[self.pieces[index].name]
+            if lo == first and hi == first + length and param.dtype == dtype and param.device == device:
+                return self._flat_rows(index)[lo - start : hi - start]
+        return None
+
+    def _copy_rows(self, first: int, values: torch.Tensor) -> None:
+        """θm <- `values` from flat offset `first`, converted to each piece's dtype and device (contiguous parameters:
+        checked at construction when D > 1)."""
+        with torch.no_grad():
+            for index, start, lo, hi in self._overlaps(first, first + values.numel()):
+                self._flat_rows(index)[lo - start : hi - start].copy_(values[lo - first : hi - first])
 
     def _spans(self) -> list[tuple[int, int]]:
         return list(zip(self._offsets, self._offsets[1:]))
@@ -407,6 +467,12 @@ def _staged(window: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             at += part.numel()
     transfers.wait()  # the one synchronisation: nothing below reads a staged buffer before its copy has landed
     return [hosts.get(id(part), part) for part in window]
+
+
+def _backend_carries(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `group`'s backend all-gathers tensors on `device` ("cpu:gloo,cuda:nccl" carries both)."""
+    wanted = {"cuda": "nccl", "cpu": "gloo"}.get(device.type)
+    return wanted is not None and wanted in str(dist.get_backend(group))
 
 
 def _chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:

@@ -35,7 +35,8 @@ class EngineStats(Mapping):
         max_sync_bytes: the largest single exchange, in cross-worker bytes.
         bytes_sent: every byte this rank handed to the network across workers for the outer sync.
         bytes_sent_intra_worker: bytes of the collectives inside the worker (data-parallel ranks): all-gathers of
-            updated parameters and of low-rank pseudo-gradients, and the small agreements on each round.
+            updated parameters (in their dtype) and of low-rank pseudo-gradients, and the small agreements on each
+            round.
         outer_state_bytes: bytes of everything the engine holds on this rank beyond the model and the inner optimizer
             (θg, outer optimizer state, eager's trajectory and its state, residuals, low-rank warm starts, buffers of
             exchanges in flight, the reused pseudo-gradient and average buffers), after the last `step()`; with D data-parallel

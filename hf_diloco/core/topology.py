@@ -72,11 +72,12 @@ class Topology:
 
     Groups (each `None` when the rank is alone in it, so callers can skip the collective):
         worker_group: every rank of this worker.
-        data_parallel_group: same worker, same stage; DDP's gradient all-reduce runs here.
+        data_parallel_group: same worker, same stage; DDP's gradient all-reduce runs here, and so does the engine's
+            all-gather of updated parameters (in their dtype, on their device; synchronous on the training thread).
         data_parallel_sync_group: the same ranks as `data_parallel_group` in a second process group (gloo), used by
             the outer sync's background thread so it never interleaves with DDP's collectives.
         shard_group: the same ranks in a third gloo group, used by the engine on the training thread: each rank owns
-            1/D of the outer state, and the worker all-gathers updated parameters and agrees on a round's verdict here.
+            1/D of the outer state, and the worker gathers outer state and agrees on a round's verdict here.
         pipeline_group: same worker, same data-parallel index: the stages of one pipeline.
         outer_group: same stage and data-parallel index across workers; the only group that crosses workers.
         control_group: every rank, on gloo: the engine's start-up check, whose `monitored_barrier` names the ranks

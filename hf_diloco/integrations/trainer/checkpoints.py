@@ -4,7 +4,8 @@ either continues bitwise or refuses, before anything is loaded, with a message t
 Each rank writes `diloco_state_rank{rank}.pt` next to the Trainer's files: the engine state (theta_g, outer
 optimizer, this rank's parameters and inner optimizer, exchanges in flight), buffers and grad scaler. Workers differ
 in all the local parts, so the inner optimizer and grad scaler are stored there only (no `optimizer.pt` /
-`scaler.pt`); `scheduler.pt` holds the LR schedule, the same on every rank. A checkpoint counts once its manifest
+`scaler.pt`; with DDP inside a worker the inner optimizer once per worker, `rank_state.py`); `scheduler.pt` holds
+the LR schedule, the same on every rank. A checkpoint counts once its manifest
 is published (`hf_diloco.checkpointing`), and every wait for the other ranks while saving is bounded.
 """
 
