@@ -1,5 +1,5 @@
-"""What an elastic worker trusts: a heal never unpickles objects, its servers listen on its own address only, and
-two live workers under one replica id are refused.
+"""What an elastic worker trusts: a heal never unpickles objects, a heal payload is signed with the job's secret,
+its servers listen on its own address only, and two live workers under one replica id are refused.
 
 The hostile peer is real: a separate process serving, in torchft's streaming format, a pickle whose `__reduce__`
 would create a marker file on whoever unpickles it. The healer is the transport a `TorchftMembership` heals through.
@@ -8,6 +8,7 @@ The two-worker runs use real torchft Managers against a Lighthouse in this proce
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -30,6 +31,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import torch
 from torch.distributed._serialization import _streaming_save
 
+from hf_diloco.core.torchft_membership import seal_heal_state
+
 marker = sys.argv[1]
 
 
@@ -40,8 +43,10 @@ class Payload:
 
 STATES = {
     "/checkpoint/0/full": {"user": {"default": {"global": [torch.ones(3)], "evil": Payload()}}, "torchft": {"step": 0}},
-    "/checkpoint/1/full": {"user": {"default": {"global": [torch.arange(3.0)], "phase": ("launch", 0)}},
-                           "torchft": {"step": 1, "batches_committed": 2}},
+    "/checkpoint/1/full": seal_heal_state({"user": {"default": {"global": [torch.arange(3.0)], "phase": ("launch", 0)}},
+                                           "torchft": {"step": 1, "batches_committed": 2}}, 1, None),
+    # The hostile object inside a well-formed envelope: refused as well.
+    "/checkpoint/2/full": seal_heal_state({"user": {"default": {"evil": Payload()}}}, 2, None),
 }
 
 
@@ -64,7 +69,10 @@ server.serve_forever()
 @pytest.fixture
 def hostile_peer(tmp_path):
     marker = tmp_path / "executed"
-    peer = subprocess.Popen([sys.executable, "-c", HOSTILE_PEER, str(marker)], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    peer = subprocess.Popen(
+        [sys.executable, "-c", HOSTILE_PEER, str(marker)], stdout=subprocess.PIPE, text=True, env=env
+    )
     port = int(peer.stdout.readline())
     yield f"http://{HOST}:{port}/checkpoint/", marker
     peer.kill()
@@ -83,6 +91,9 @@ def test_a_heal_state_holding_an_object_is_refused_and_nothing_runs(hostile_peer
             transport.recv_checkpoint(src_rank=0, metadata=url, step=0, timeout=timedelta(seconds=10))
         assert not marker.exists(), "the peer's pickle ran code on the healer"
         assert "objects other than tensors and plain containers" in sink["refused"]
+        with pytest.raises(HealStateRefused, match="objects other than tensors and plain containers"):
+            transport.recv_checkpoint(src_rank=0, metadata=url, step=2, timeout=timedelta(seconds=10))
+        assert not marker.exists(), "the peer's pickle ran code on the healer"
         # A state of tensors and plain containers (what hf_diloco serves) loads as it was sent.
         sink.clear()
         state = transport.recv_checkpoint(src_rank=0, metadata=url, step=1, timeout=timedelta(seconds=10))
@@ -101,13 +112,18 @@ def listening_addresses() -> dict[int, str]:
     return {c.laddr.port: c.laddr.ip for c in connections if c.status == psutil.CONN_LISTEN}
 
 
-def two_workers(lighthouse: str, names: list[str], states: list) -> tuple[list, list, list, list]:
-    """Two `TorchftMembership`s joining at once (one thread each): their memberships, views and errors."""
+def two_workers(
+    lighthouse: str, names: list[str], states: list, secrets: tuple = (None, None)
+) -> tuple[list, list, list, list]:
+    """Two `TorchftMembership`s joining at once (one thread each): their memberships, views, errors and the states
+    they loaded in a heal."""
     from hf_diloco.core.torchft_membership import TorchftMembership
 
     memberships = [
-        TorchftMembership(lighthouse, name, min_workers=2, min_workers_timeout=30, sync_timeout=10, host=HOST)
-        for name in names
+        TorchftMembership(
+            lighthouse, name, min_workers=2, min_workers_timeout=30, sync_timeout=10, host=HOST, secret=secret
+        )
+        for name, secret in zip(names, secrets)
     ]
     loaded: list = []
     for membership, state in zip(memberships, states):
@@ -183,3 +199,29 @@ def test_two_live_workers_under_one_replica_id_are_refused(lighthouse):
     finally:
         for membership in memberships:
             membership.close()
+
+
+def test_a_heal_is_checked_against_the_jobs_secret(lighthouse):
+
+    states = [{"global": [torch.full((2,), 1.0)]}, {"global": [torch.full((2,), 2.0)]}]
+    memberships, views, errors, loaded = two_workers(lighthouse, ["site_a", "site_b"], states, (b"s3cret", "s3cret"))
+    for membership in memberships:
+        membership.close()
+    assert errors == [None, None] and sum(view.healed for view in views) == 1
+    [state] = loaded  # the healer took the other's state, signed with the shared secret
+    assert any(torch.equal(state["global"][0], served["global"][0]) for served in states)
+
+
+def test_a_peer_with_another_secret_is_refused(lighthouse):
+    from hf_diloco.core.torchft_membership import HealStateRefused
+
+    state = {"global": [torch.zeros(2)]}
+    memberships, views, errors, loaded = two_workers(
+        lighthouse, ["site_a", "site_b"], [state, state], ("alpha-secret-1", "beta-secret-2")
+    )
+    for membership in memberships:
+        membership.close()
+    refused = [error for error in errors if error is not None]
+    assert len(refused) == 1 and isinstance(refused[0], HealStateRefused), errors
+    assert "not signed with this job's secret" in str(refused[0]) and loaded == []
+    assert "secret-1" not in str(refused[0]) and "secret-2" not in str(refused[0])  # never in a message

@@ -7,14 +7,19 @@ worker reaches, on a private address (`torchft_lighthouse --min_replicas 1 --joi
 
 What a worker trusts: the state it heals from is loaded with `weights_only=True` (tensors and plain containers only;
 anything else, a pickled object with a `__reduce__` included, is refused with `HealStateRefused` before it runs), and
-its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only. Nothing is
-authenticated: any process that reaches the Lighthouse and the workers' ports can join and serve (wrong) weights, so
+its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only. With a shared job
+secret (`secret=`, or the file named by `HF_DILOCO_JOB_SECRET_FILE`, or `HF_DILOCO_JOB_SECRET`) every heal payload
+carries an HMAC-SHA256 of its bytes and step, checked before the payload is read. Joining is not authenticated: any
+process that reaches the Lighthouse and the workers' ports can join the quorum and send (wrong) pseudo-gradients, so
 run the job inside a private network (a VPN between sites).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
+import io
 import logging
 import os
 import pickle
@@ -24,11 +29,14 @@ import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn
 
 logger = logging.getLogger(__name__)
+SECRET_VARIABLE = "HF_DILOCO_JOB_SECRET"
+SECRET_FILE_VARIABLE = "HF_DILOCO_JOB_SECRET_FILE"
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
 
@@ -61,6 +69,9 @@ class TorchftMembership:
         host: the name or address the other workers reach this one at (its group's rendezvous store is announced
             under it); by default this machine's host name, which must resolve to a reachable address at every site.
             The worker's store, checkpoint server and Manager listen on this address only (not on every interface).
+        secret: the job's shared secret (the same on every worker; never logged or saved): the state this worker
+            serves for a heal is signed with it and the state it heals from must be. By default the contents of the
+            file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`, else none (payloads unsigned).
     """
 
     def __init__(
@@ -75,6 +86,7 @@ class TorchftMembership:
         connect_timeout: float = 60.0,
         poll_seconds: float = 1.0,
         host: str | None = None,
+        secret: str | bytes | None = None,
     ):
         if min_workers < 1 or start_workers < 1:
             raise ValueError(f"min_workers and start_workers must be at least 1; got {min_workers}, {start_workers}.")
@@ -83,6 +95,7 @@ class TorchftMembership:
         self._required = max(min_workers, start_workers)
         self._timeouts = (sync_timeout, quorum_timeout, connect_timeout)
         self.host = host or socket.gethostname()
+        self._secret = _job_secret(secret)
         self._heal: dict = {}
         self._load_state_dict: LoadFn | None = None
         self.manager = None
@@ -125,7 +138,7 @@ class TorchftMembership:
                 lighthouse_addr=self.lighthouse,
                 replica_id=self.replica_id,
                 hostname=self.host,
-                checkpoint_transport=_counting_http_transport(sync_timeout, self._heal, self.host),
+                checkpoint_transport=_counting_http_transport(sync_timeout, self._heal, self.host, self._secret),
             )
         # The members of each quorum, for the duplicate-id check (torchft keeps them only in a local variable).
         self.manager._client = _RecordingClient(self.manager._client, self._heal)
@@ -218,12 +231,24 @@ class TorchftMembership:
         return None if error is None else str(error.original_exception)
 
 
-def _counting_http_transport(timeout: timedelta, sink: dict, host: str) -> object:
-    """torchft's HTTP checkpoint transport, announced under `host`, loading what this worker receives safely
-    (`load_heal_state`) and recording its bytes and seconds (or why it was refused) in `sink`."""
+def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: bytes | None = None) -> object:
+    """torchft's HTTP checkpoint transport, announced under `host`, serving each state sealed (`seal_heal_state`),
+    loading what this worker receives safely and checking its seal (`open_heal_state`), and recording its bytes and
+    seconds (or why it was refused) in `sink`."""
     from torchft.checkpointing import HTTPTransport
 
     class CountingHTTPTransport(HTTPTransport):
+        def send_checkpoint(self, dst_ranks: list, step: int, state_dict: object, timeout: timedelta) -> None:
+            super().send_checkpoint(dst_ranks, step, seal_heal_state(state_dict, step, secret), timeout)
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> object:
+            address = f"{metadata}{step}/full"
+            try:
+                return open_heal_state(self._load_from_address(address, timeout), step, secret, address)
+            except HealStateRefused as refused:
+                sink["refused"] = str(refused)
+                raise
+
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             started = time.perf_counter()
@@ -257,6 +282,63 @@ def load_heal_state(stream: object, source: str) -> object:
             f"containers, which this worker never unpickles ({str(error).splitlines()[0]}). The peer runs another "
             "version of hf_diloco or is not trusted; stop it, or stop this worker."
         ) from None
+
+
+def seal_heal_state(state: object, step: int, secret: bytes | None) -> dict:
+    """The envelope a worker serves for a heal: `state` serialised (torchft's streaming format) as a uint8 tensor,
+    and the HMAC-SHA256 of those bytes and `step` under `secret` ("" without one)."""
+    from torch.distributed._serialization import _streaming_save
+
+    buffer = io.BytesIO()
+    _streaming_save(state, buffer)
+    payload = buffer.getvalue()
+    return {
+        "hf_diloco_heal": 1,
+        "payload": torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+        "hmac": _seal(payload, step, secret) if secret else "",
+    }
+
+
+def open_heal_state(envelope: object, step: int, secret: bytes | None, source: str) -> object:
+    """The state inside a `seal_heal_state` envelope (read with `load_heal_state`), after checking its HMAC when this
+    worker has a secret; `HealStateRefused` naming `source` otherwise, before the payload is read."""
+    if not (isinstance(envelope, dict) and envelope.get("hf_diloco_heal") == 1 and "payload" in envelope):
+        raise HealStateRefused(
+            f"refused the state served for a heal by {source}: it is not an hf_diloco heal envelope (another "
+            "version of hf_diloco, or not an hf_diloco worker). Run the same hf_diloco version on every worker."
+        )
+    payload = envelope["payload"].numpy().tobytes()
+    if secret is not None:
+        received = envelope.get("hmac")
+        if not isinstance(received, str) or not hmac.compare_digest(received, _seal(payload, step, secret)):
+            raise HealStateRefused(
+                f"refused the state served for a heal by {source}: it is not signed with this job's secret (the "
+                f"peer has another secret, or none). Give every worker the same secret ({SECRET_FILE_VARIABLE} or "
+                f"{SECRET_VARIABLE}), or stop that peer."
+            )
+    return load_heal_state(io.BytesIO(payload), source)
+
+
+def _seal(payload: bytes, step: int, secret: bytes) -> str:
+    message = b"hf_diloco heal\0" + str(step).encode() + b"\0" + payload  # the step: an older state is not replayable
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def _job_secret(secret: str | bytes | None) -> bytes | None:
+    """The job's secret: `secret`, else the file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`."""
+    if secret is None and os.environ.get(SECRET_FILE_VARIABLE):
+        path = os.environ[SECRET_FILE_VARIABLE]
+        try:
+            secret = open(path, "rb").read().strip()
+        except OSError as error:
+            raise ValueError(f"{SECRET_FILE_VARIABLE} names {path}, which cannot be read: {error.strerror}.") from None
+        if not secret:
+            raise ValueError(f"{SECRET_FILE_VARIABLE} names {path}, which is empty: write the job's secret there.")
+    if secret is None:
+        secret = os.environ.get(SECRET_VARIABLE) or None
+    if isinstance(secret, str):
+        secret = secret.encode()
+    return secret or None  # an empty secret is none
 
 
 class _RecordingClient:
