@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -142,11 +142,7 @@ class DiLoCo:
     def step(self) -> None:
         """Advance the schedule by one completed inner optimizer step."""
         if self._closed:
-            raise RuntimeError(
-                f"DiLoCo.step() after close() (at inner step {self.inner_step}): close() ran the final syncs and the "
-                "exchange is shut down, so this step would not be synced. Call close() once, after the last step; to "
-                "train further build a new DiLoCo (resuming from its state_dict or a checkpoint)."
-            )
+            raise _step_after_close(self.inner_step)
         self._timer.step_begins()
         self.inner_step += 1
         self.overlap.apply_due(self.fragments, self.inner_step)
@@ -239,7 +235,7 @@ class DiLoCo:
         (no read of the model): `local_global_drift` is ||θm - θg|| / ||θg|| measured at each fragment's last launch
         (0 before any), with D > 1 data-parallel ranks per worker that of this rank's share."""
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
-        logs["diloco/local_global_drift"] = self._relative_drift()
+        logs["diloco/local_global_drift"] = relative_drift(self.fragments)
         logs["diloco/inner_step"] = float(self.inner_step)
         return logs
 
@@ -342,12 +338,21 @@ class DiLoCo:
         averages = 0 if self.fragments and self.fragments[0].uses_buffers else 1
         self.stats.outer_state_bytes = outer_state_bytes(self.fragments, residuals + averages, self.buffers.tensors())
 
-    def _relative_drift(self) -> float:
-        """||θm - θg|| / ||θg|| over the fragments, each as measured at its last launch (`Fragment.record_drift`)."""
-        measured = [fragment.drift for fragment in self.fragments if fragment.drift is not None]
-        squared_diff = sum(difference for difference, _ in measured)
-        squared_norm = sum(norm for _, norm in measured)
-        return (squared_diff / squared_norm) ** 0.5 if squared_norm > 0 else 0.0
+
+def relative_drift(fragments: Sequence[Fragment]) -> float:
+    """||θm - θg|| / ||θg|| over the fragments, each as measured at its last launch (`Fragment.record_drift`)."""
+    measured = [fragment.drift for fragment in fragments if fragment.drift is not None]
+    squared_diff = sum(difference for difference, _ in measured)
+    squared_norm = sum(norm for _, norm in measured)
+    return (squared_diff / squared_norm) ** 0.5 if squared_norm > 0 else 0.0
+
+
+def _step_after_close(inner_step: int) -> RuntimeError:
+    return RuntimeError(
+        f"DiLoCo.step() after close() (at inner step {inner_step}): close() ran the final syncs and the exchange is "
+        "shut down, so this step would not be synced. Call close() once, after the last step; to train further build "
+        "a new DiLoCo (resuming from its state_dict or a checkpoint)."
+    )
 
 
 class _StepTimer:
