@@ -75,6 +75,14 @@ def command_line(module: str, argv: Sequence[str] | None = None) -> str:
     return shlex.join(["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])
 
 
+def write_results(out: str, result: dict, table: str) -> None:
+    """`out.json` (the result) and `out.md` (its table), the folder made if needed; the table is printed too."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.json").write_text(json.dumps(result, indent=1))
+    Path(f"{out}.md").write_text(table)
+    print(table)
+
+
 def with_defaults(argv: list[str], defaults: dict[str, str]) -> list[str]:
     """`argv` plus every flag of `defaults` it does not set itself."""
     return argv + [item for flag, value in defaults.items() if flag not in argv for item in (flag, value)]

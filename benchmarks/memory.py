@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import resource
 import socket
@@ -37,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from benchmarks.common import RESULTS_DIR, command_line
+from benchmarks.common import RESULTS_DIR, command_line, write_results
 from hf_diloco import DiLoCo, DiLoCoConfig, Topology, worker_mesh
 
 WORKERS = 2
@@ -290,10 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = measure(args)
     result["command"] = command_line("memory", argv)
     table = markdown(result, result["command"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(result, indent=1))
-    Path(f"{args.out}.md").write_text(table)
-    print(table)
+    write_results(args.out, result, table)
     return result
 
 

@@ -45,13 +45,9 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:  # run as `python scripts/gpu_check.py` from anywhere: hf_diloco is the repository's
-    sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 WORKERS = 2
 VOCAB = 128
