@@ -172,7 +172,16 @@ def torchrun_loop(tmp_path_factory):
     ]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (out / "stderr.txt").write_text(result.stderr)
     return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+@pytest.mark.timeout(450)
+def test_start_up_line_without_max_steps_counts_one_epoch_and_says_so(torchrun_loop):
+    """`prepare` without `max_steps` (the loop decides how many epochs it runs): 8 rows over 2 processes in
+    batches of 2."""
+    stderr = (torchrun_loop[0] / "stderr.txt").read_text()
+    assert "in 2 steps per epoch of the first dataloader (pass max_steps to prepare for the whole run)" in stderr
 
 
 @pytest.mark.timeout(450)

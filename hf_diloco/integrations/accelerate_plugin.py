@@ -136,8 +136,8 @@ class DiLoCoPlugin(DiLoCoSettings):
             optimizer (`torch.optim.Optimizer`): the inner optimizer over the model's parameters, not yet prepared.
             *others: dataloaders, schedulers, ... passed on to `accelerator.prepare`. Shuffled dataloaders get the
                 seedable sampler (see the module docstring).
-            max_steps (`int`, *optional*): inner steps the loop will run, for the start-up summary (default: one
-                epoch of the first dataloader).
+            max_steps (`int`, *optional*): inner steps the loop will run, for the start-up summary (without it
+                the summary counts one epoch of the first dataloader, and says so).
 
         Returns:
             `tuple`: the prepared `(model, optimizer, *others)`, in the order given.
@@ -272,7 +272,9 @@ def _planned_steps(max_steps: int | None, accelerator: Any, prepared: tuple) -> 
     loaders = [obj for obj in prepared if isinstance(obj, torch.utils.data.DataLoader) and hasattr(obj, "__len__")]
     if not loaders:
         return 0, "steps (pass max_steps to prepare for the count)"
-    return len(loaders[0]) // accelerator.gradient_accumulation_steps, "steps (one epoch of the first dataloader)"
+    # The loop decides how many epochs it runs: the line states one epoch's steps as that, not as the run's length.
+    per_epoch = len(loaders[0]) // accelerator.gradient_accumulation_steps
+    return per_epoch, "steps per epoch of the first dataloader (pass max_steps to prepare for the whole run)"
 
 
 @contextlib.contextmanager
