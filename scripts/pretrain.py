@@ -9,6 +9,7 @@
 import sys
 
 from hf_diloco.cli.pretrain import main
+from hf_diloco.cli.refusals import exit_status_of
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status_of(main))

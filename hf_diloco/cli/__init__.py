@@ -7,6 +7,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from .refusals import exit_status_of
+
 COMMANDS = {
     "pretrain": "Pretrain a causal LM from a YAML config (the main job; launch it with torchrun or accelerate).",
     "push": "Upload a saved model folder to the Hugging Face Hub (weights, tokenizer, card; no checkpoints).",
@@ -36,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     known, rest = build_parser().parse_known_args(arguments[:1])
     module = importlib.import_module(f"{__name__}.{known.command}")
-    return module.main([*rest, *arguments[1:]])
+    return exit_status_of(lambda: module.main([*rest, *arguments[1:]]))
 
 
 def _version() -> str:
