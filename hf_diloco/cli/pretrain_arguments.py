@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -122,7 +123,7 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
         description=_description(config),
     )
     diloco, _ = diloco_defaults(config, trainer, os.environ if environ is None else environ)
-    defaults = {**config.section("training"), **diloco}
+    defaults = {"report_to": default_report_to(), **config.section("training"), **diloco}
     parser.set_defaults(**defaults)
     for action in parser._actions:
         if action.dest in defaults:
@@ -130,6 +131,28 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
     _add_config_flags(parser, config)
     _order_help(parser)
     return parser
+
+
+def default_report_to() -> str:
+    """Where the job logs when the config does not say: TensorBoard (`OUTPUT_DIR/runs`) when it is installed (the
+    `plots` extra), else nowhere but each checkpoint's `trainer_state.json` (`where_logs_go` says which)."""
+    return "tensorboard" if importlib.util.find_spec("tensorboard") is not None else "none"
+
+
+def where_logs_go(args: Any) -> str:
+    """The start-up line that says where the run's scalars are written."""
+    report_to = list(args.report_to or [])
+    if "tensorboard" in report_to:
+        logs = getattr(args, "logging_dir", None) or f"{args.output_dir}/runs"
+        return (
+            f"Logs: TensorBoard in {logs} (tensorboard --logdir {logs}); also trainer_state.json in each checkpoint."
+        )
+    if report_to:
+        return f"Logs: {', '.join(report_to)}; also trainer_state.json in each checkpoint."
+    return (
+        "Logs: trainer_state.json in each checkpoint only (report_to: none). For TensorBoard install the plots "
+        "extra (pip install 'hf_diloco[plots]') or set training.report_to."
+    )
 
 
 def _order_help(parser: argparse.ArgumentParser) -> None:
