@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "diloco_manifest.json"
+# Beside the manifest of a run's last checkpoint: the final model the run saved (see `record_final_model`).
+FINAL_MODEL_NAME = "final_model.json"
 TRAINER_STATE_NAME = "trainer_state.json"
 REFUSED_PREFIX = "refused-"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -249,9 +251,29 @@ def read_trainer_state(checkpoint: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
+def record_final_model(output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> None:
+    """
+    Write in the run's last `checkpoint` the size and sha256 of the final model's weight files in `output_dir`.
+
+    The final model is not always the checkpoint's: with a sync delay (tau > 0) `close()` applies the fragments in
+    flight after the last checkpoint. A re-run of the finished run compares the folder's model against this record
+    (`final_model_matches_checkpoint`), so it knows its own final model from a damaged one. The record sits beside
+    the checkpoint's manifest, outside it: the checkpoint's own files are unchanged.
+    """
+    files = {
+        path.name: {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(Path(output_dir).iterdir())
+        if path.is_file() and _WEIGHT_FILE_RE.match(path.name)
+    }
+    temporary = Path(checkpoint) / f".{FINAL_MODEL_NAME}.tmp"
+    temporary.write_text(json.dumps({"format": 1, "files": files}, indent=1))
+    os.replace(temporary, Path(checkpoint) / FINAL_MODEL_NAME)
+
+
 def final_model_matches_checkpoint(output_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> bool:
-    """Whether `output_dir` already holds the model weights of `checkpoint`, byte for byte (per its manifest)."""
-    weights = {name: entry for name, entry in _manifest_files(Path(checkpoint)).items() if _WEIGHT_FILE_RE.match(name)}
+    """Whether `output_dir` already holds the final model of the run whose last checkpoint is `checkpoint`, byte for
+    byte (per `record_final_model`'s record, else per the checkpoint's manifest: the model it holds)."""
+    weights = _final_model_files(Path(checkpoint))
     if not weights:
         return False
     for name, expected in weights.items():
@@ -265,7 +287,7 @@ def refuse_a_damaged_final_model(output_dir: str | os.PathLike, checkpoint: str 
     """Before a finished run's final model is saved again from its last `checkpoint`: raise `CheckpointError` when
     `output_dir` holds a weight file of that model that differs from the checkpoint's (truncated, corrupt or
     replaced), naming it, instead of overwriting it. Absent files (the job stopped before its final save) pass."""
-    weights = {name: entry for name, entry in _manifest_files(Path(checkpoint)).items() if _WEIGHT_FILE_RE.match(name)}
+    weights = _final_model_files(Path(checkpoint))
     for name, expected in weights.items():
         path = Path(output_dir) / name
         if not path.is_file():
@@ -279,6 +301,20 @@ def refuse_a_damaged_final_model(output_dir: str | os.PathLike, checkpoint: str 
             f"Nothing was written. To write the run's final model again from {Path(checkpoint).name}, move that file "
             f"aside (e.g. to {name}.damaged) and rerun; to keep it, use another --output_dir."
         )
+
+
+def _final_model_files(checkpoint: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of each weight file of the run's final model: the record of `record_final_model` when the
+    final save wrote one, else the checkpoint's own weight files (its manifest)."""
+    record = checkpoint / FINAL_MODEL_NAME
+    if record.is_file():
+        try:
+            files = json.loads(record.read_text()).get("files")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            files = None
+        if isinstance(files, dict) and files:
+            return files
+    return {name: entry for name, entry in _manifest_files(checkpoint).items() if _WEIGHT_FILE_RE.match(name)}
 
 
 def _manifest_files(folder: Path) -> dict[str, dict[str, Any]]:

@@ -203,6 +203,9 @@ def test_pretrain_single_process(one_process):
     assert (output_dir / "checkpoint-4" / "diloco_state_rank0.pt").is_file()
     assert "DiLoCo run: 1 worker x 1 data-parallel rank x 1 pipeline stage = 1 process; H=4" in result.stderr
     assert "tau=0, overlap=none (each exchange blocks)" in result.stderr  # streaming with tau = 0 hides nothing
+    # TensorBoard by default where it is installed (the plots extra), and a line saying where the logs are.
+    assert f"Logs: TensorBoard in {output_dir}/runs" in result.stderr
+    assert list((output_dir / "runs").rglob("events.out.tfevents.*"))
     # The refused first start's tokenizer (3 lines of text) was provisional: this run trained its own, and kept it.
     refused = json.loads((output_dir.parent / "refused_tokenizer" / "hf_diloco_tokenizer.json").read_text())
     kept = json.loads((output_dir / "tokenizer" / "hf_diloco_tokenizer.json").read_text())
@@ -395,8 +398,10 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
         holder.stdin.close()
         holder.wait(timeout=60)
     for (name, (_, _, expected)), (returncode, stderr) in zip(cases.items(), results):
-        assert returncode != 0, name
+        assert returncode == 2, name
         assert re.search(expected, stderr), f"{name}: {stderr[-3000:]}"
+        # One clean line, the message, with no traceback around it.
+        assert "Traceback" not in stderr and stderr.count("hf-diloco: error: ") == 1, f"{name}: {stderr[-3000:]}"
         assert not (tmp_path / name / "tokenizer").exists(), name
     assert f"pid {holder.pid} on host" in results[list(cases).index("locked")][1]
     assert _snapshot(existing) == before
@@ -442,10 +447,15 @@ def test_a_stalled_peer_at_the_jobs_own_global_points_fails_within_the_bound(tmp
 
 @pytest.mark.timeout(300)
 def test_checkpoint_of_another_process_count_is_refused_naming_the_ways_out(two_processes, tmp_path):
-    """What `make run` after `make run-multi` met when both wrote one folder: refused before any work."""
+    """What `make run` after `make run-multi` met when both wrote one folder: a finished run is finished whatever
+    the process count (exit 0, nothing written); one to continue is refused before any work."""
     output_dir, _ = two_processes
     before = {path: path.stat().st_mtime_ns for path in output_dir.rglob("*") if path.is_file()}
     command = [sys.executable, str(SCRIPT), "--config", str(_small_config(tmp_path)), "--output_dir", str(output_dir)]
+    finished = _run(command)
+    assert "already holds a finished run" in finished.stderr, finished.stderr[-3000:]
+    assert "written by" not in finished.stderr
+    assert {path: path.stat().st_mtime_ns for path in output_dir.rglob("*") if path.is_file()} == before
     result = _run([*command, "--max_steps", str(2 * STEPS)], expect_success=False)
     assert result.returncode != 0
     message = result.stderr[-3000:]

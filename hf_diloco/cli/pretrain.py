@@ -33,7 +33,7 @@ from ..global_points import check_ranks_agree, global_point_group, wait_for_all_
 from ..integrations.output_lock import hold_output_folder
 from ..job_config import LoadedConfig
 from ..run_summary import check_processes_joined
-from .pretrain_arguments import parse_command_line
+from .pretrain_arguments import parse_command_line, where_logs_go
 
 DEFAULT_BLOCK_SIZE = 256
 
@@ -47,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "On a machine without GPUs pass --use_cpu or set ACCELERATE_USE_CPU=1; for one worker, launch one process.",
     )
     _configure_logging(args)
+    if args.process_index == 0:
+        print(where_logs_go(args), file=sys.stderr)
     use_diloco = config.trainer == "diloco"
     check_before_building(config, args, use_diloco)
     points = JobGlobalPoints.of(args)
@@ -55,11 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     resume = args.resume_from_checkpoint
     if resume is None and command_line.auto_resume:
         resume = checkpoint_to_resume_from(args.output_dir, use_diloco)
-    if resume is not None:
-        check_resumable(resume, args, use_diloco)
-    if resume is not None and not use_diloco and _baseline_run_finished(resume, args):
+    if resume is not None and _run_finished(resume, args, use_diloco):
         say_run_finished(args, resume)
     else:
+        if resume is not None:
+            check_resumable(resume, args, use_diloco)
         metrics = train_and_evaluate(config, args, resume, points)
         if metrics is not None and args.process_index == 0:
             print(json.dumps({"output_dir": args.output_dir, **metrics}, indent=2, default=str))
@@ -181,6 +183,8 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
     eval_metrics = trainer.evaluate()
     eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
     trainer.save_model()
+    if args.process_index == 0:
+        _record_final_model(args, trainer.state.global_step)
     metrics = {**train_result.metrics, **eval_metrics}
     trainer.log_metrics("all", metrics)
     trainer.save_metrics("all", metrics)
@@ -353,11 +357,28 @@ def say_run_finished(args: Any, checkpoint: str) -> None:
     )
 
 
-def _baseline_run_finished(checkpoint: str, args: Any) -> bool:
-    """The plain Trainer resumed at its last step would train one step more: the DDP baseline stops before that."""
-    from ..checkpointing import read_trainer_state
+def _record_final_model(args: Any, global_step: int) -> None:
+    """Record the saved final model in the checkpoint of the last step, the one a re-run of the finished run finds."""
+    from ..checkpointing import MANIFEST_NAME, record_final_model
 
-    return 0 < args.max_steps <= read_trainer_state(checkpoint).get("global_step", 0)
+    last = Path(args.output_dir) / f"checkpoint-{global_step}"
+    if 0 < args.max_steps <= global_step and (last / MANIFEST_NAME).is_file():
+        record_final_model(args.output_dir, last)
+
+
+def _run_finished(checkpoint: str, args: Any, use_diloco: bool) -> bool:
+    """
+    Whether `checkpoint` is the last one of a finished run whose folder needs nothing: its step is `max_steps` and
+    (with DiLoCo) the folder's final model is the checkpoint's. Decided before the process count is compared, so a
+    finished run is finished whatever the re-run's process count. The plain Trainer resumed at its last step would
+    train one step more: the DDP baseline stops here too. A DiLoCo run finished without its final model goes on to
+    the trainer, which saves the model (with the process count that wrote the checkpoint).
+    """
+    from ..checkpointing import final_model_matches_checkpoint, read_trainer_state
+
+    if not 0 < args.max_steps <= read_trainer_state(checkpoint).get("global_step", 0):
+        return False
+    return not use_diloco or final_model_matches_checkpoint(args.output_dir, checkpoint)
 
 
 def _configure_logging(args: Any) -> None:
