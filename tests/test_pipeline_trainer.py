@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from datasets import Dataset
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from hf_diloco.parallel.pipeline import PipelineRunner
@@ -307,6 +308,13 @@ def test_saved_pipelined_model_is_one_normal_folder(runs, scenario):
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     state = loaded.state_dict()
     assert set(state) == set(expected)
+    # The same tensors, under the same names, as `save_pretrained` of the model writes (a tied head not twice).
+    loaded.save_pretrained(out / f"{scenario}_plain")
+    with (
+        safe_open(folder / "model.safetensors", "pt") as saved,
+        safe_open(out / f"{scenario}_plain" / "model.safetensors", "pt") as plain,
+    ):
+        assert sorted(saved.keys()) == sorted(plain.keys())
     for name, tensor in state.items():
         assert torch.equal(tensor, expected[name]), name
     # The folder loads back into another stage count, reading only that stage's tensors.

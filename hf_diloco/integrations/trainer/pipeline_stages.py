@@ -337,6 +337,10 @@ class PipelineTrainerMixin:
                 "pipeline, not stage 0: with pipeline_stages > 1 save from the first rank of each worker "
                 "(save_on_each_node needs whole workers per node)."
             )
+        # The gathered stages hold two copies of a tied matrix; one tensor under both names lets `save_pretrained`
+        # drop the alias as it does for the whole model, so the file has the tensors a plain save writes.
+        for first, last in self.pipeline_runner.plan.tied:
+            state_dict[last] = state_dict[first]
         return super()._save(output_dir, state_dict=state_dict)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
