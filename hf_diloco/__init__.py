@@ -1,8 +1,6 @@
 """hf_diloco: DiLoCo, Streaming DiLoCo and DiLoCoX for Hugging Face causal LMs over slow links."""
 
 from .config import DiLoCoConfig
-from .core.diloco import DiLoCo
-from .core.topology import Topology
 
 __all__ = [
     "DiLoCoConfig",
@@ -17,6 +15,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    "DiLoCo": ("core.diloco", "DiLoCo"),
+    "Topology": ("core.topology", "Topology"),
     "DiLoCoTrainer": ("integrations.trainer", "DiLoCoTrainer"),
     "DiLoCoTrainingArguments": ("integrations.trainer", "DiLoCoTrainingArguments"),
     "DiLoCoPlugin": ("integrations.accelerate_plugin", "DiLoCoPlugin"),

@@ -81,13 +81,15 @@ def shipped_config_text(name: str) -> str:
     return resources.files(SHIPPED_CONFIGS_PACKAGE).joinpath(f"{stem}.yaml").read_text()
 
 
-def read_config(name_or_path: str | os.PathLike) -> LoadedConfig:
+def read_config(name_or_path: str | os.PathLike, check_keys: bool = True) -> LoadedConfig:
     """
     Read and check a config given as a file path or as the name of a shipped config.
 
     Args:
         name_or_path (`str` or `os.PathLike`): a YAML file, or a shipped config name such as `tiny_diloco` (see
             `hf-diloco configs`).
+        check_keys (`bool`, *optional*): check every key and value (`check_config`, which imports transformers for
+            the `training:` keys); `--help` reads the file without it, the run itself checks.
 
     Returns:
         `LoadedConfig`: the values and a description of the source for messages.
@@ -103,7 +105,8 @@ def read_config(name_or_path: str | os.PathLike) -> LoadedConfig:
     else:
         source = f"shipped config {path.stem!r}"
         config = LoadedConfig(values=parse_config_text(shipped_config_text(str(name_or_path)), source), source=source)
-    check_config(config)
+    if check_keys:
+        check_config(config)
     return config
 
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 from accelerate.utils import str_to_bool
 
-from .core.diloco import DiLoCo
+if TYPE_CHECKING:  # the type only: the main job's --help reads this module without the engine
+    from .core.diloco import DiLoCo
 
 
 def launched_processes() -> int:

@@ -67,6 +67,27 @@ def test_pretrain_accepts_every_key_of_the_config_as_a_flag():
     }
 
 
+def test_pretrain_help_is_quick_and_help_all_lists_every_trainer_flag(capsys):
+    """`--help` reads the config without transformers (seconds of imports); `--help_all` is the full parser's."""
+    probe = (
+        "import sys\nfrom hf_diloco.cli import main\ntry:\n    main(['pretrain', '--help'])\nexcept SystemExit as e:\n"
+        "    assert e.code == 0\nprint(sorted(m for m in ('transformers', 'hf_diloco.core.diloco') if m in sys.modules))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    short, imported = result.stdout.rsplit("\n", 2)[0], result.stdout.splitlines()[-1]
+    assert imported == "[]", imported
+    order = ["--config CONFIG", "--data.block_size", "The diloco: section", "--inner_steps", "The training: section"]
+    assert [short.index(text) for text in order] == sorted(short.index(text) for text in order)
+    assert "--learning_rate VALUE" in short and "(config: 0.001)" in short  # the config's training: keys
+    assert "--adam_beta1" not in short and "--help_all lists them all" in short
+    with pytest.raises(SystemExit):
+        parse_command_line(["--config", "tiny_diloco", "--help_all"])
+    full = capsys.readouterr().out
+    assert "--adam_beta1" in full and "--inner_steps" in full and "--help_all" not in full.split("\n\n")[0]
+
+
 @pytest.mark.timeout(400)
 def test_installed_command_help_runs_as_a_subprocess(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -22,13 +22,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
-from transformers import TrainingArguments
 
 from ..core.config import ENV_PREFIX, DiLoCoConfig, diloco_field_names
 from ..job_config import TRAINERS, LoadedConfig, apply_overrides, parse_bool_option, read_config
-from ..trainer import DiLoCoTrainingArguments
 
 DEFAULT_CONFIG = "tiny_diloco"
+# The full help, with every TrainingArguments field (`--help` alone is quick; see `short_help`).
+HELP_ALL = "--help_all"
 MODEL_CONFIG_PREFIX = "--model.config."
 SECTION_FLAGS: dict[str, dict[str, str]] = {
     "model": {
@@ -92,6 +92,11 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
     first.add_argument("--config", default=DEFAULT_CONFIG)
     first.add_argument("--trainer", choices=TRAINERS)
     known, _ = first.parse_known_args(argv)
+    if {"-h", "--help"} & set(argv) and HELP_ALL not in argv:
+        config = read_config(known.config, check_keys=False)
+        print(short_help(config, known.trainer or config.trainer, environ))
+        raise SystemExit(0)
+    argv = ["--help" if token == HELP_ALL else token for token in argv]
     config = read_config(known.config)
     trainer = known.trainer or config.trainer
     argv, model_config = _split_model_config_flags(argv)
@@ -115,6 +120,9 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
     """
     from transformers import HfArgumentParser
 
+    from ..trainer import DiLoCoTrainingArguments
+    from .baseline_arguments import BaselineTrainingArguments
+
     use_diloco = trainer == "diloco"
     parser = HfArgumentParser(
         DiLoCoTrainingArguments if use_diloco else BaselineTrainingArguments,
@@ -131,6 +139,36 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
     _add_config_flags(parser, config)
     _order_help(parser)
     return parser
+
+
+def short_help(config: LoadedConfig, trainer: str, environ: Mapping[str, str]) -> str:
+    """
+    `hf-diloco pretrain --help`: the config, its sections, the DiLoCo keys and the `training:` keys the config sets,
+    read without importing transformers (which takes seconds); `--help_all` adds every `TrainingArguments` field.
+    """
+    parser = argparse.ArgumentParser(
+        prog="hf-diloco pretrain",
+        usage="hf-diloco pretrain [--config CONFIG] [--KEY VALUE ...] (every key of the config is a flag, below)",
+        description=_description(config),
+        epilog=(
+            "Every field of transformers' TrainingArguments is a flag too (--max_steps, --output_dir, "
+            f"--gradient_accumulation_steps, ...): {HELP_ALL} lists them all with their help."
+        ),
+    )
+    _add_config_flags(parser, config)
+    if trainer == "diloco":
+        diloco, _ = diloco_defaults(config, trainer, environ)
+        group = parser.add_argument_group("The diloco: section of the config (DiLoCoConfig; DILOCO_* variables too)")
+        for field in dataclasses.fields(DiLoCoConfig):
+            value = diloco.get(field.name, field.default)
+            text = field.metadata.get("help", "").replace("%", "%%")
+            group.add_argument(f"--{field.name}", metavar="VALUE", help=f"{text} (default: {_inline_yaml(value)})")
+    training = parser.add_argument_group(
+        "The training: section of the config (transformers' TrainingArguments): the keys it sets"
+    )
+    for key, value in config.section("training").items():
+        training.add_argument(f"--{key}", metavar="VALUE", help=f"(config: {_inline_yaml(value)})")
+    return parser.format_help()
 
 
 def default_report_to() -> str:
@@ -255,14 +293,13 @@ def check_device_exists(name: str, setting: str) -> None:
         )
 
 
-@dataclasses.dataclass(repr=False)
-class BaselineTrainingArguments(TrainingArguments):
-    """The `TrainingArguments` of the plain data-parallel baseline (`trainer: ddp`). Like `DiLoCoTrainingArguments`,
-    its pickle (`training_args.bin`, in every checkpoint and saved folder) leaves out every `*_token`."""
+def __getattr__(name: str) -> Any:
+    # `training_args.bin` of a baseline run pickles the class under this module's name.
+    if name == "BaselineTrainingArguments":
+        from .baseline_arguments import BaselineTrainingArguments
 
-    __getstate__ = DiLoCoTrainingArguments.__getstate__
-    __copy__ = DiLoCoTrainingArguments.__copy__
-    __deepcopy__ = DiLoCoTrainingArguments.__deepcopy__
+        return BaselineTrainingArguments
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, config: LoadedConfig) -> None:
