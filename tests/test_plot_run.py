@@ -91,3 +91,18 @@ def test_eval_entries_get_tokens_by_interpolation(plot_run):
     assert plot_run.metric_series(history, "eval_loss", tokens) == ([2000.0], [2.5])
     assert plot_run.metric_series(history, "loss", None) == ([10.0, 20.0], [3.0, 2.0])
     assert plot_run.token_axis([{"step": 1, "loss": 1.0}]) is None
+
+
+def test_final_model_evaluation_is_its_own_point_after_the_last_sync(tmp_path, plot_run):
+    """The Trainer's evaluation at the last step came before close() applied the last sync; all_results.json holds
+    the final model's: the plot draws both, labelled, the final one at the run's last step."""
+    run = tmp_path / "run"
+    _write_state(run, _history(with_tokens=True))
+    (run / "all_results.json").write_text(json.dumps({"eval_loss": 3.25, "num_input_tokens_seen": 51200}))
+    history = plot_run.load_log_history(run)
+    lines = plot_run.loss_lines({"run": history}, {"run": plot_run.token_axis(history)[1]}, {"run": 3.25})
+    assert [label for *_, label in lines] == ["run train", "run eval during training",
+                                             "run final model (after the last sync)"]  # fmt: skip
+    assert lines[-1][:2] == ([100 * 512], [3.25])
+    assert plot_run.final_evaluation(run) == 3.25 and plot_run.final_evaluation(tmp_path / "nothing") is None
+    assert plot_run.main([str(run), "--out", str(tmp_path / "plots")]) == 0

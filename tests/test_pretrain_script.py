@@ -235,6 +235,9 @@ def test_pretrain_two_processes_and_command_line_overrides(two_processes):
     during = [e["eval_loss"] for e in state["log_history"] if "eval_loss" in e and e["step"] == STEPS]
     final = json.loads((output_dir / "all_results.json").read_text())["eval_loss"]
     assert during and during[-1] != final
+    assert (
+        f"Final model: eval_loss {final:.4f} (all_results.json, the card), after the last outer sync" in result.stderr
+    )
     summary = "DiLoCo run: 2 workers x 1 data-parallel rank x 1 pipeline stage = 2 processes; H=4, P=2, tau=1"
     assert result.stderr.count(summary) == 1, "one start-up line, on the main process only"
     args = torch.load(output_dir / "training_args.bin", weights_only=False)

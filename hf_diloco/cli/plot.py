@@ -4,6 +4,7 @@ Reads the `log_history` of a Trainer's `trainer_state.json` (given directly, or 
 latest `checkpoint-*`) and writes:
 
 * `loss.png`: training and evaluation loss against tokens seen (against steps when no token count was logged),
+  with the final model's evaluation (`all_results.json`, after the last sync) as a point of its own,
 * `bytes_sent.png`: cumulative bytes sent across workers by the outer sync (`diloco/bytes_sent`) against tokens,
 * `sync_wait.png`: cumulative seconds spent waiting for outer syncs (`diloco/sync_wait_seconds`) against steps.
 
@@ -78,8 +79,45 @@ def metric_series(history: LogHistory, key: str, x_axis: dict[int, float] | None
     return xs, ys
 
 
-def plot_runs(runs: dict[str, LogHistory], out_dir: str | Path) -> dict[str, Path]:
-    """Write the plots for `runs` (label -> log history) into `out_dir`; returns plot name -> path of those written."""
+def final_evaluation(path: str | Path) -> float | None:
+    """
+    The final model's `eval_loss`, from the `all_results.json` of a run folder (None when there is none).
+
+    It is taken after `close()` applied the last outer sync, so it differs from the evaluation the Trainer logged
+    at the same step during training (before that sync): the plot draws it as a point of its own.
+    """
+    path = Path(path)
+    results = (path if path.is_dir() else path.parent) / "all_results.json"
+    if not results.is_file():
+        return None
+    value = json.loads(results.read_text()).get("eval_loss")
+    return None if value is None else float(value)
+
+
+def loss_lines(
+    runs: dict[str, LogHistory], x_axes: dict[str, dict[int, float] | None], finals: dict[str, float] | None = None
+) -> list[tuple[list[float], list[float], str, str]]:
+    """The loss plot's lines: each run's training and evaluation loss, and its final model's evaluation (`finals`,
+    label -> eval_loss) at the run's last logged step, labelled as taken after the last sync."""
+    lines = []
+    for label, history in runs.items():
+        for key, style, name in (("loss", "-", "train"), ("eval_loss", "o--", "eval during training")):
+            xs, ys = metric_series(history, key, x_axes[label])
+            if xs:
+                lines.append((xs, ys, style, f"{label} {name}"))
+        final = (finals or {}).get(label)
+        if final is not None and history:
+            last = max(int(entry["step"]) for entry in history)
+            x = x_axes[label][last] if x_axes[label] is not None else float(last)
+            lines.append(([x], [final], "*", f"{label} final model (after the last sync)"))
+    return lines
+
+
+def plot_runs(
+    runs: dict[str, LogHistory], out_dir: str | Path, finals: dict[str, float] | None = None
+) -> dict[str, Path]:
+    """Write the plots for `runs` (label -> log history) into `out_dir`; returns plot name -> path of those written.
+    `finals` (label -> eval_loss of the final model, see `final_evaluation`) adds each run's final point."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     axes = {label: token_axis(history) for label, history in runs.items()}
@@ -91,14 +129,9 @@ def plot_runs(runs: dict[str, LogHistory], out_dir: str | Path) -> dict[str, Pat
         return axes[label][1] if use_tokens else None
 
     written = {}
-    loss_lines = []
-    for label, history in runs.items():
-        for key, style in (("loss", "-"), ("eval_loss", "o--")):
-            xs, ys = metric_series(history, key, x_axis(label))
-            if xs:
-                loss_lines.append((xs, ys, style, f"{label} {'train' if key == 'loss' else 'eval'}"))
-    if loss_lines:
-        written["loss"] = _save_plot(loss_lines, x_label, "loss", "Loss", out_dir / "loss.png")
+    losses = loss_lines(runs, {label: x_axis(label) for label in runs}, finals)
+    if losses:
+        written["loss"] = _save_plot(losses, x_label, "loss", "Loss", out_dir / "loss.png")
 
     bytes_lines = []
     for label, history in runs.items():
@@ -174,12 +207,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     runs: dict[str, LogHistory] = {}
+    finals: dict[str, float] = {}
     for path in args.runs:
-        runs[_run_label(path, set(runs))] = load_log_history(path)
+        label = _run_label(path, set(runs))
+        runs[label] = load_log_history(path)
+        final = final_evaluation(path)
+        if final is not None:
+            finals[label] = final
     if not any(runs.values()):
         print("no log entries found; nothing to plot", file=sys.stderr)
         return 1
-    written = plot_runs(runs, args.out)
+    written = plot_runs(runs, args.out, finals)
     for name in ("loss", "bytes_sent", "sync_wait"):
         print(f"{name}: {written[name]}" if name in written else f"{name}: not logged, no plot")
     return 0

@@ -182,6 +182,8 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
     # The final weights are evaluated before they are saved, so the card in the folder quotes their numbers.
     eval_metrics = trainer.evaluate()
     eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
+    if args.process_index == 0:
+        _say_which_evaluation_is_final(trainer.state, eval_metrics["eval_loss"])
     trainer.save_model()
     if args.process_index == 0:
         _record_final_model(args, trainer.state.global_step)
@@ -355,6 +357,19 @@ def say_run_finished(args: Any, checkpoint: str) -> None:
         "with a new folder or --auto_resume false; to train longer, raise --max_steps.",
         file=sys.stderr,
     )
+
+
+def _say_which_evaluation_is_final(state: Any, final_loss: float) -> None:
+    """An evaluation logged at the last step was taken before `close()` applied the last outer sync: say that the
+    final model's (in all_results.json and the card) is the other one."""
+    during = [entry for entry in state.log_history if "eval_loss" in entry and entry.get("step") == state.global_step]
+    if during and during[-1]["eval_loss"] != final_loss:
+        print(
+            f"Final model: eval_loss {final_loss:.4f} (all_results.json, the card), after the last outer sync; the "
+            f"evaluation logged at step {state.global_step} during training ({during[-1]['eval_loss']:.4f}) came "
+            "before it.",
+            file=sys.stderr,
+        )
 
 
 def _record_final_model(args: Any, global_step: int) -> None:
