@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--inner_steps", type=int, default=25)
     parser.add_argument("--out", default=f"{RESULTS_DIR}/param_dtype")
-    argv = with_defaults(list(argv if argv is not None else __import__("sys").argv[1:]), DEFAULTS)
+    argv = with_defaults(list(sys.argv[1:] if argv is None else argv), DEFAULTS)
     args = parser.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory() as folder:
