@@ -124,7 +124,10 @@ def test_subtracting_while_reading_gives_the_bits_of_converting_then_subtracting
     values = torch.randn(3000, generator=generator)
     parts = [values[:1000].to(torch.bfloat16), values[1000:2000], values[2000:].to(torch.float64) * (1 + 1e-9)]
     start = torch.randn(3000, generator=generator)
-    expected = start - torch.cat([part.to(torch.float32) for part in parts])
+    # Under the bf16 part the start is what θm started from: rounded to bf16 (round to nearest even) and back.
+    bf16_start = start[:1000].to(torch.bfloat16).to(torch.float32)
+    assert not torch.equal(bf16_start, start[:1000])
+    expected = torch.cat([bf16_start, start[1000:]]) - torch.cat([part.to(torch.float32) for part in parts])
     out = torch.empty(3000)
     assert concatenated(parts, out, subtracted_from=start) is out
     assert torch.equal(out.view(torch.int32), expected.view(torch.int32))

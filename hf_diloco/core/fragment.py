@@ -158,9 +158,10 @@ class Fragment:
             self.drift = (difference, float(torch.dot(self.theta_g, self.theta_g)))
 
     def moved_from(self, start: torch.Tensor) -> torch.Tensor:
-        """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU."""
+        """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU. Over parameters narrower
+        than fp32, `start` rounded to their dtype first: θm started there (`shard.concatenated`)."""
         if not self.uses_buffers:
-            return start - self.local().to(self.device)
+            return self.values.rounded(start) - self.local().to(self.device)
         return self.values.read(out=self.buffers.take(sum(self.owned_sizes)), subtracted_from=start)
 
     def average_buffer(self) -> torch.Tensor | None:

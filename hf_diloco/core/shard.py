@@ -183,13 +183,20 @@ class ReplicatedValues:
         return tuple(max(0, min(stop, self._stop) - max(start, self._first)) for start, stop in self._spans())
 
     def read(self, out: torch.Tensor | None = None, subtracted_from: torch.Tensor | None = None) -> torch.Tensor:
-        """θm over this rank's runs as a flat fp32 CPU vector, or `subtracted_from - θm` (a vector of as many values):
-        written into `out` (as long as this rank owns), else into a fresh one."""
-        rows = [
+        """θm over this rank's runs as a flat fp32 CPU vector, or `subtracted_from - θm` (a vector of as many values,
+        each first rounded to its parameter's dtype, see `concatenated`): written into `out` (as long as this rank
+        owns), else into a fresh one."""
+        return concatenated(self._owned_rows(), out, subtracted_from)
+
+    def rounded(self, start: torch.Tensor) -> torch.Tensor:
+        """`start` (θg over this rank's runs) as θm holds it once written: see `rounded_to_parts`."""
+        return rounded_to_parts(start, self._owned_rows())
+
+    def _owned_rows(self) -> list[torch.Tensor]:
+        return [
             self._flat_rows(index)[lo - start : hi - start]
             for index, start, lo, hi in self._overlaps(self._first, self._stop)
         ]
-        return concatenated(rows, out, subtracted_from)
 
     def write(self, owned: torch.Tensor) -> None:
         """θm <- `owned` over this rank's runs, and the other ranks' runs from them: each rank converts its runs to the
@@ -313,7 +320,13 @@ class ShardedValues:
         return tuple(length for _, length in self.layout.runs[self.worker.index])
 
     def read(self, out: torch.Tensor | None = None, subtracted_from: torch.Tensor | None = None) -> torch.Tensor:
-        return concatenated([rows.detach().reshape(-1) for rows in self._rows()], out, subtracted_from)
+        return concatenated(self._owned_rows(), out, subtracted_from)
+
+    def rounded(self, start: torch.Tensor) -> torch.Tensor:
+        return rounded_to_parts(start, self._owned_rows())
+
+    def _owned_rows(self) -> list[torch.Tensor]:
+        return [rows.detach().reshape(-1) for rows in self._rows()]
 
     def write(self, owned: torch.Tensor) -> None:
         """The local shards <- `owned`, after every FSDP module dropped its gathered weights."""
@@ -406,6 +419,11 @@ def concatenated(
     vector of that length), else into a fresh one. A CPU part of fp32 or a narrower float is subtracted where it lies,
     in one pass: fp32 minus it converts it exactly first, so the bits are those of converting, then subtracting.
 
+    Against a part narrower than fp32 (bf16, fp16) `subtracted_from` is first rounded to the part's dtype and back:
+    θm started from θg rounded so (`write_rows`), and the pseudo-gradient is measured from that start, not from θg,
+    whose rounding residue θg - round(θg) is the same on every worker and no training signal (docs/design.md,
+    "Parameters narrower than fp32"). fp32 and wider parts are subtracted from `subtracted_from` as it is.
+
     A part on an accelerator is first copied, in its own dtype, into a pinned host buffer with `non_blocking=True`;
     the copies of up to `STAGING_WINDOW` values are issued together and waited for once (`HostTransfers.wait`)
     before any of them is read, and then treated as CPU parts: the same bits as a blocking copy per part, one
@@ -422,14 +440,38 @@ def concatenated(
     for window in _staging_windows(parts):
         for part in _staged(window):
             into = out[at : at + part.numel()]
-            if subtracted_from is None:
+            start = None if subtracted_from is None else subtracted_from[at : at + part.numel()]
+            if start is None:
                 into.copy_(part)
-            elif part.device.type == "cpu" and torch.promote_types(part.dtype, torch.float32) == torch.float32:
-                torch.sub(subtracted_from[at : at + part.numel()], part, out=into)
+            elif narrower_float(part.dtype):
+                into.copy_(start.to(part.dtype)).sub_(part)  # exact conversions: round(start) - part in fp32
+            elif part.device.type == "cpu" and part.dtype == torch.float32:
+                torch.sub(start, part, out=into)
             else:
-                torch.sub(subtracted_from[at : at + part.numel()], into.copy_(part), out=into)
+                torch.sub(start, into.copy_(part), out=into)
             at += part.numel()
     return out
+
+
+def narrower_float(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is a floating dtype that holds fewer bits than fp32 (bf16, fp16, the fp8s)."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits < 32
+
+
+def rounded_to_parts(start: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`start` (a flat fp32 vector as long as the 1-D `parts`, on any device) with each stretch under a part narrower
+    than fp32 rounded to that part's dtype and back, as writing it into the part rounds it: `start` itself when no
+    part is narrower (fp32 parameters, bitwise unchanged), else a fresh vector."""
+    if not any(narrower_float(part.dtype) for part in parts):
+        return start
+    rounded = start.clone()
+    at = 0
+    for part in parts:
+        if narrower_float(part.dtype):
+            stretch = rounded[at : at + part.numel()]
+            stretch.copy_(stretch.to(part.dtype))
+        at += part.numel()
+    return rounded
 
 
 def _staging_windows(parts: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
