@@ -1,4 +1,5 @@
-"""A DiLoCo state written by the engine before its per-fragment restructuring still loads and continues bitwise.
+"""A DiLoCo state written by the engine before its per-fragment restructuring still loads and continues bitwise
+(on the CPU that wrote it; within rounding of the last bits on another).
 
 `tests/fixtures/engine_state_rank{r}.pt` were written by `tests/fixtures/make_engine_state.py` running the engine of
 commit cbd124c: two workers' states saved mid-round (both fragments' exchanges in flight, eager with the fitted
@@ -18,14 +19,16 @@ from tests.fixtures.make_engine_state import CONFIG, SAVED_AT, STEPS, fixture_mo
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Keys this engine writes beyond that layout, and a timing that differs from run to run.
+# Absolute difference allowed where the fixture's machine and this one round differently (see `_equal_up_to_the_cpu`).
+CPU_TOLERANCE = 1e-6
 ADDED, TIMED = {"divergence_guard", "skipped_divergent", "shard", "outer_state_bytes"}, {"sync_wait_seconds"}
 
 
 def _differences(saved, written, path: str = "") -> list[str]:
     """Where `written` differs from `saved` (tensors bitwise), ignoring the keys the layout gained since."""
     if torch.is_tensor(saved):
-        same = torch.is_tensor(written) and saved.dtype == written.dtype and torch.equal(saved, written)
-        return [] if same else [path]
+        same = torch.is_tensor(written) and saved.dtype == written.dtype and saved.shape == written.shape
+        return [] if same and _equal_up_to_the_cpu(saved, written) else [path]
     if isinstance(saved, dict):
         keys = set(written) - ADDED
         if set(saved) != keys:
@@ -35,7 +38,17 @@ def _differences(saved, written, path: str = "") -> list[str]:
         if len(saved) != len(written):
             return [f"{path}: length"]
         return [d for i, (a, b) in enumerate(zip(saved, written)) for d in _differences(a, b, f"{path}[{i}]")]
+    if isinstance(saved, float) and isinstance(written, float):  # a fitted estimate: rounding of the CPU too
+        return [] if abs(saved - written) <= CPU_TOLERANCE else [f"{path}: {saved!r} != {written!r}"]
     return [] if saved == written else [f"{path}: {saved!r} != {written!r}"]
+
+
+def _equal_up_to_the_cpu(saved: torch.Tensor, computed: torch.Tensor) -> bool:
+    """Bitwise on the machine that wrote the fixture; on another CPU its kernels may differ in the last bits (seen:
+    3.7e-9 on weights of scale 1), far below what a value lost or misread on load changes (the whole update)."""
+    if not saved.is_floating_point():
+        return torch.equal(saved, computed)
+    return torch.equal(saved, computed) or torch.allclose(saved, computed, rtol=0, atol=CPU_TOLERANCE)
 
 
 def _resume_saved_state(rank: int, world: int) -> dict:
@@ -63,7 +76,7 @@ def _resume_saved_state(rank: int, world: int) -> dict:
             name
             for kind in ("global", "local")
             for name, value in fixture["final"][kind].items()
-            if not torch.equal(value, resumed[kind][name].detach())
+            if not _equal_up_to_the_cpu(value, resumed[kind][name].detach())
         ],
         "layout": _differences(fixture["state"], engine.state_dict()),
         "in_flight": sorted(fixture["state"]["pending"]),
