@@ -485,3 +485,22 @@ def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap, patter
             # the same choices from the restored spectrum, warm start and residual.
             assert result["choices"][:2] == [(0, "sign")] * 2 and result["choices"][-1] == (1, "sign")
             assert result["resumed_choices"] == result["choices"][-len(result["resumed_choices"]) :]
+
+
+def test_a_step_the_scaler_skipped_still_advances_the_schedule():
+    """Workers skip different fp16 steps; counting only the applied ones would put their schedules out of step."""
+    from hf_diloco.integrations.engine_session import EngineSession
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    session = EngineSession(DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=2)))
+    for step, skipped in enumerate([False, True, True, False], start=1):
+        session.step_begin()
+        if not skipped:
+            inner_step(model, optimizer, 0, step)
+        session.step_end(skipped=skipped)
+    assert session.engine.inner_step == 4
+    assert session.skipped_steps == 2
+    session.close()
+    assert session.engine.stats["outer_steps"] == 2  # both rounds of H = 2 launched, none left for a tail
+    assert session.engine.stats["final_syncs"] == 0

@@ -122,6 +122,26 @@ def test_engine_steps_once_per_real_inner_step_with_gradient_accumulation():
     plugin.close()
 
 
+def test_a_step_the_scaler_skipped_still_steps_the_engine():
+    """Each worker's GradScaler skips its own steps; the schedule must count them all to stay in step with the others."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    accelerator = Accelerator(cpu=True)
+    plugin = DiLoCoPlugin(inner_steps=2, outer_lr=1.0, outer_momentum=0.0, environ={})
+    model = build_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(random_token_rows(8), batch_size=2)
+    model, optimizer, loader = plugin.prepare(accelerator, model, optimizer, loader)
+    for index, batch in enumerate(loader):  # 4 inner steps, the second reported as skipped by the scaler
+        accelerator.backward(model(**batch).loss)
+        optimizer._is_overflow = index == 1  # what `step_was_skipped` reads; a GradScaler sets it in `step()`
+        optimizer.step()
+        optimizer.zero_grad()
+    assert plugin.inner_step == 4 and plugin.engine.stats["outer_steps"] == 2
+    plugin.close()
+
+
 # ------------------------------------------------------------------------------------------------ 2-process loop
 
 H, STEPS, SAVE_AT, BATCH, LR, WORKERS = 4, 10, 6, 2, 3e-3, 2

@@ -22,9 +22,9 @@ What `prepare` does (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming 
 - DDP runs over the worker's data-parallel group only, and not at all when a worker is one process, so nothing
   crosses workers between outer syncs. Accelerate's prepared dataloaders shard by world rank, which gives every
   (worker, data-parallel replica) pair its own shard.
-- The prepared optimizer's `step()` also advances the DiLoCo engine, once per real inner step: not on the
-  micro-batches of gradient accumulation (`accelerator.sync_gradients` is False there) and not when a GradScaler
-  skipped the step (`accelerator.optimizer_step_was_skipped`).
+- The prepared optimizer's `step()` also advances the DiLoCo engine, once per inner step: not on the
+  micro-batches of gradient accumulation (`accelerator.sync_gradients` is False there). A step a GradScaler
+  skipped (`accelerator.optimizer_step_was_skipped`) counts too, so every worker's schedule stays in step.
 - A shuffled dataloader gets Accelerate's seedable sampler (with one seed, agreed at start-up, on every process),
   so its shuffle needs no collective at each epoch and every worker still reads its own shard.
 - `accelerator.save_state(dir)` also writes `diloco_state_rank{rank}.pt` per rank (theta_g, outer optimizer, this
@@ -189,7 +189,7 @@ class DiLoCoPlugin(DiLoCoSettings):
         return (prepared_model, prepared_optimizer, *prepared_others)
 
     def _hook_training_step(self, model: nn.Module, optimizer: Any) -> None:
-        """Advance the engine after each real inner step, and time the steps for `diloco/compute_utilization`."""
+        """Advance the engine after each inner step, skipped by a GradScaler or not; time it for `compute_utilization`."""
         inner_step, session = optimizer.step, self._session
 
         def step(*args: Any, **kwargs: Any) -> Any:

@@ -3,7 +3,8 @@
 `EngineSession.start` creates the engine (whose start-up check all-gathers, once, what every rank must agree on) and
 has the main process say what the run is about to do (`run_summary`, and the short-run warning of the outer
 momentum). The loop then reports the start and the end of every inner step (`step_begin` / `step_end`): the engine
-steps after each real inner optimizer step, and the time between the two, less the outer-sync wait inside it, is the
+steps after each inner optimizer step call, whether a GradScaler skipped the update or not (every worker then counts
+the same steps), and the time between the two, less the outer-sync wait inside it, is the
 `diloco/compute_utilization` that `metrics()` adds to the engine's own. `close()` applies what is in flight and
 copies theta_g into the model.
 """
@@ -34,11 +35,13 @@ class EngineSession:
     Attributes:
         engine (`DiLoCo`): the engine.
         utilization (`ComputeUtilization`): the share of wall time spent computing inner steps.
+        skipped_steps (`int`): inner steps whose optimizer step a GradScaler skipped (still counted by the engine).
     """
 
     def __init__(self, engine: DiLoCo):
         self.engine = engine
         self.utilization = ComputeUtilization(lambda: engine.stats["sync_wait_seconds"])
+        self.skipped_steps = 0
 
     @classmethod
     def start(
@@ -82,9 +85,15 @@ class EngineSession:
         self.utilization.step_begin()
 
     def step_end(self, skipped: bool) -> None:
-        """An inner step ended; `skipped`: its optimizer step did not happen (a GradScaler skipped it)."""
-        if not skipped:
-            self.engine.step()
+        """An inner step ended; `skipped`: its optimizer step did not happen (a GradScaler skipped it).
+
+        The engine steps either way: workers skip different steps (each scaler sees its own gradients), so a schedule
+        that only counted the applied ones would drift apart between workers, and their outer exchanges with it.
+        A skipped step left theta_m where it was, so the pseudo-gradient the schedule sends is still right.
+        """
+        if skipped:
+            self.skipped_steps += 1
+        self.engine.step()
         self.utilization.step_end()
 
     def metrics(self) -> dict[str, float]:
