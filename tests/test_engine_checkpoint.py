@@ -18,7 +18,10 @@ from tests.fixtures.make_engine_state import CONFIG, SAVED_AT, STEPS, fixture_mo
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Keys this engine writes beyond that layout, and a timing that differs from run to run.
-ADDED, TIMED = {"divergence_guard", "skipped_divergent", "shard", "outer_state_bytes"}, {"sync_wait_seconds"}
+ADDED, TIMED = (
+    {"divergence_guard", "skipped_divergent", "shard", "outer_state_bytes", "settings"},
+    {"sync_wait_seconds"},
+)
 
 
 def _differences(saved, written, path: str = "") -> list[str]:

@@ -36,6 +36,10 @@ SCALE_DTYPES = ("fp32", "bf16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
+# Settings each node may choose for itself (where theta_g lives, how long it waits for peers).
+LOCAL_ONLY_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds"})
+
+
 @dataclass
 class DiLoCoConfig:
     """
@@ -340,9 +344,13 @@ class DiLoCoConfig:
         """The DiLoCo fields only (also on subclasses that add many more fields)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(DiLoCoConfig)}
 
+    def shared_settings(self) -> dict[str, Any]:
+        """The fields every worker must agree on (everything but local runtime knobs), by name: what a checkpoint and
+        a heal state store, so that a difference is named field by field (`settings_check`)."""
+        return {k: v for k, v in self.diloco_dict().items() if k not in LOCAL_ONLY_FIELDS}
+
     def fingerprint(self) -> str:
-        """A hash of the fields that every worker must agree on (everything but local runtime knobs)."""
-        local_only = {"global_copy_device", "sync_timeout_seconds"}
+        """A hash of `shared_settings`."""
         # Fields added after checkpoints were first written are hashed only when set away from their default, so an
         # older checkpoint (or worker) with the same settings keeps its fingerprint.
         added_later = {
@@ -353,11 +361,7 @@ class DiLoCoConfig:
             "divergence_factor": 100.0,
             "max_skipped_rounds": 3,
         }
-        shared = {
-            k: v
-            for k, v in self.diloco_dict().items()
-            if k not in local_only and not (k in added_later and v == added_later[k])
-        }
+        shared = {k: v for k, v in self.shared_settings().items() if not (k in added_later and v == added_later[k])}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
     def short_run_warning(self, total_inner_steps: int) -> str | None:
@@ -430,6 +434,11 @@ class DiLoCoConfig:
                     values[f.name], sources[f.name] = layer[f.name], describe(f.name)
                     break
         return values, sources
+
+
+def diloco_defaults() -> dict[str, Any]:
+    """Each DiLoCo field's default (a field added after a state was written holds it there)."""
+    return {f.name: f.default for f in dataclasses.fields(DiLoCoConfig) if f.default is not dataclasses.MISSING}
 
 
 def diloco_field_names() -> list[str]:
