@@ -90,6 +90,8 @@ class DiLoCoConfig:
         robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the median norm.
         divergence_factor (`float`): skip a round whose average's norm exceeds this multiple of the median norm of the
             fragment's last applied rounds (0 = off).
+        first_round_factor (`float`): skip a round without a history (a fragment's first) whose average's largest
+            absolute value exceeds this multiple of theta_g's own (0 = off).
         max_skipped_rounds (`int`): stop with an error when this many rounds of one fragment in a row are skipped
             (non-finite or divergent averages; 0 = never stop).
 
@@ -224,6 +226,14 @@ class DiLoCoConfig:
             "above this factor times the median norm of the fragment's last 5 applied rounds, and warn. 0 = off."
         },
     )
+    first_round_factor: float = field(
+        default=10.0,
+        metadata={
+            "help": "Divergence guard for a round without a history (a fragment's first): skip it when its averaged "
+            "pseudo-gradient's largest absolute value exceeds this factor times theta_g's own largest absolute "
+            "value (one worker's garbage weights before the first exchange). 0 = off."
+        },
+    )
     max_skipped_rounds: int = field(
         default=3,
         metadata={
@@ -290,6 +300,7 @@ class DiLoCoConfig:
         _check_float("sync_timeout_seconds", self.sync_timeout_seconds, low=0.0, low_open=True)
         _check_float("robust_clip_factor", self.robust_clip_factor, low=0.0)
         _check_float("divergence_factor", self.divergence_factor, low=0.0)
+        _check_float("first_round_factor", self.first_round_factor, low=0.0)
         if 0 < self.divergence_factor <= 1:
             raise ValueError(
                 f"divergence_factor must be 0 (off) or > 1, got {self.divergence_factor}: at or below 1 a healthy "
@@ -360,6 +371,7 @@ class DiLoCoConfig:
             "eager_estimate": "own_share",
             "divergence_factor": 100.0,
             "max_skipped_rounds": 3,
+            "first_round_factor": 10.0,
         }
         shared = {k: v for k, v in self.shared_settings().items() if not (k in added_later and v == added_later[k])}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
