@@ -469,3 +469,17 @@ def test_checkpoint_with_other_settings_is_refused():
     with pytest.raises(ValueError, match="different DiLoCo settings \\(fingerprint [0-9a-f]{16} != "):
         other.load_state_dict(state)
     DiLoCo(tiny_model(), None, DiLoCoConfig(inner_steps=4, sync_timeout_seconds=5)).load_state_dict(state)
+
+
+def test_an_elastic_joiner_with_other_settings_is_refused_naming_them():
+    from hf_diloco.core.elastic import check_peer_settings
+
+    running = DiLoCoConfig(inner_steps=4)
+    state = {"fingerprint": running.fingerprint(), "settings": running.shared_settings()}  # what a peer serves
+    with pytest.raises(ValueError) as refused:
+        check_peer_settings(DiLoCoConfig(inner_steps=2), state)
+    assert str(refused.value) == (
+        "A live peer runs with other DiLoCo settings (inner_steps: 4 in the peer, 2 in this worker): start this worker "
+        "with the running workers' DiLoCo config (inner_steps=4)."
+    )
+    check_peer_settings(DiLoCoConfig(inner_steps=4, sync_timeout_seconds=3), state)  # node-local: no reason

@@ -41,6 +41,7 @@ from .fragment import Fragment, InFlight
 from .settings_check import check_same_settings
 
 if TYPE_CHECKING:
+    from .config import DiLoCoConfig
     from .diloco import DiLoCo
 
 logger = logging.getLogger(__name__)
@@ -201,14 +202,7 @@ class ElasticRounds:
     def load_global_state(self, state: dict) -> None:
         """Take a live peer's `global_state`: θg into the model, this worker's own round discarded."""
         engine = self.engine
-        check_same_settings(
-            engine.config,
-            state,
-            "A live peer runs",
-            "start this worker with the running workers' DiLoCo config",
-            theirs="the peer",
-            ours="this worker",
-        )
+        check_peer_settings(engine.config, state)
         engine.inner_step = int(state["inner_step"])
         for fragment, theta_g in zip(engine.fragments, state["global"]):
             fragment.theta_g.copy_(theta_g)
@@ -344,6 +338,19 @@ class ElasticRounds:
             engine.overlap.launched(fragment, flight)
         else:  # every member joined during this round: there is nothing to average
             fragment.write_local(fragment.theta_g)
+
+
+def check_peer_settings(config: DiLoCoConfig, state: dict) -> None:
+    """Refuse a live peer's `global_state` written with other DiLoCo settings than `config`, naming each field with
+    both values (only the fingerprints for a peer of a version that sent no settings)."""
+    check_same_settings(
+        config,
+        state,
+        "A live peer runs",
+        "start this worker with the running workers' DiLoCo config",
+        theirs="the peer",
+        ours="this worker",
+    )
 
 
 def _completed_flight(flight: InFlight) -> dict:
