@@ -185,7 +185,7 @@ def render_model_card(
         "bytes_ratio": _ratio(summary["ratio"], num_workers, summary["ddp_bytes"]),
         "reduction": f"{summary['reduction']:,.1f}x" if summary["reduction"] else "n/a",
         "sync_wait": _seconds(communication.get("sync_wait_seconds")),
-        "evaluation": _evaluation_section(results, evaluated),
+        "evaluation": _evaluation_section(results, evaluated, training_log),
         "hyperparameters": _bullet_list(hyperparameters),
         "training_log": _markdown_table(training_log) or "No evaluation during training.",
         "framework_versions": _bullet_list(framework_versions()),
@@ -272,7 +272,38 @@ def _metric_type(key: str) -> str:
     return key.split("_", 1)[1] if key.startswith("eval_") else key
 
 
-def _evaluation_section(results: Mapping[str, float], evaluated: str) -> str:
+def never_improved(evaluations: Sequence[tuple[Any, float]], final_loss: float | None) -> str | None:
+    """A warning when no evaluation after the first (the final one included) scored a lower loss than the first did,
+    else None: a model that never improved on its initial evaluation (diverged, or a learning rate of 0) is flagged
+    instead of being saved as if finished.
+
+    Args:
+        evaluations: (step, validation loss) of each evaluation during training, in order.
+        final_loss: the validation loss of the final weights (None: not evaluated).
+    """
+    if not evaluations or final_loss is None:
+        return None
+    (first_step, first_loss), later = evaluations[0], [loss for _, loss in evaluations[1:]] + [final_loss]
+    best = min(later, key=lambda loss: float("inf") if math.isnan(loss) else loss)
+    if not (math.isnan(best) or best >= first_loss):
+        return None
+    return (
+        f"This model never improved on its first evaluation (validation loss {_number(first_loss)} at step "
+        f"{first_step}; the best after it {_number(best)}, the final one {_number(final_loss)}): training did not "
+        "work. Check the learning rates (inner and outer) and the data before using it."
+    )
+
+
+def _evaluation_section(
+    results: Mapping[str, float], evaluated: str, training_log: Sequence[Mapping[str, Any]] | None = None
+) -> str:
+    evaluations = [(row.get("Step"), row["Validation Loss"]) for row in training_log or [] if "Validation Loss" in row]
+    warning = never_improved(evaluations, results.get("eval_loss")) if results else None
+    section = _measured_section(results, evaluated)
+    return section if warning is None else f"**Warning:** {warning}\n\n{section}"
+
+
+def _measured_section(results: Mapping[str, float], evaluated: str) -> str:
     if not results:
         return (
             "Not evaluated after the last outer sync of training. An evaluation taken before the end of training "

@@ -21,7 +21,10 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # Keys this engine writes beyond that layout, and a timing that differs from run to run.
 # Absolute difference allowed where the fixture's machine and this one round differently (see `_equal_up_to_the_cpu`).
 CPU_TOLERANCE = 1e-6
-ADDED, TIMED = {"divergence_guard", "skipped_divergent", "shard", "outer_state_bytes"}, {"sync_wait_seconds"}
+ADDED, TIMED = (
+    {"divergence_guard", "skipped_divergent", "shard", "outer_state_bytes", "settings"},
+    {"sync_wait_seconds"},
+)
 
 
 def _differences(saved, written, path: str = "") -> list[str]:

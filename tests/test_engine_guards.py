@@ -53,9 +53,19 @@ def _diverging_worker(rank: int, world: int) -> dict:
     }
 
 
+def _both_cases(rank: int, world: int) -> dict:
+    # One launch for both multi-process cases: spawning the processes costs more than either run.
+    return {"garbage": _garbage_before_the_first_exchange(rank, world), "diverging": _diverging_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    return run_on_processes(_both_cases, 2)
+
+
 @pytest.mark.timeout(300)
-def test_absurd_rounds_are_skipped_everywhere_and_a_run_that_keeps_diverging_stops():
-    results = run_on_processes(_diverging_worker, 2)
+def test_absurd_rounds_are_skipped_everywhere_and_a_run_that_keeps_diverging_stops(two_workers):
+    results = [result["diverging"] for result in two_workers]
     for result in results:
         # Rounds at 2, 4 applied (the history), 6 skipped, 8 applied, 10 and 12 skipped: two in a row stop the run.
         assert result["records"] == [(2, None), (4, None), (6, "divergent"), (8, None), (10, "divergent")] + [
@@ -113,3 +123,57 @@ def test_guard_counts_rejections_in_a_row_and_its_state_round_trips():
     empty = DivergenceGuard(factor=10.0, max_skipped=3)
     empty.load_state_dict(None)  # a checkpoint written before the guard existed
     assert empty.scales == {} and empty.skipped_in_a_row == {}
+
+
+def _garbage_before_the_first_exchange(rank: int, world: int) -> dict:
+    from hf_diloco import DiLoCo, DiLoCoConfig
+
+    model = tiny_model(layers=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0))
+    records, scales = [], [max(float(v.abs().max()) for v in engine.global_parameters().values())]
+    engine.add_observer(lambda record: records.append((record.step, record.rejected)))
+    for t in range(1, 2 * H + 1):
+        inner_step(model, optimizer, rank, t)
+        if rank == 1 and t == 1:
+            with torch.no_grad():  # this worker's weights are garbage before the first exchange
+                for param in model.parameters():
+                    param.fill_(30.0)
+        engine.step()
+        if t % H == 0:
+            scales.append(max(float(v.abs().max()) for v in engine.global_parameters().values()))
+    return {"records": records, "scales": scales, "skipped": engine.stats.skipped_divergent}
+
+
+@pytest.mark.timeout(300)
+def test_garbage_weights_before_the_first_exchange_are_rejected_in_round_one(two_workers):
+    """One worker's weights all 30 before the first exchange: with no history to compare with, the round is judged
+    against θg's own scale and rejected on both workers; θg keeps its scale and the next round goes through."""
+    for result in (result["garbage"] for result in two_workers):
+        assert result["records"] == [(H, "divergent"), (2 * H, None)]
+        assert result["skipped"] == 1
+        initial, after_first, after_second = result["scales"]
+        assert after_first == initial and after_second < 2 * initial, result["scales"]
+
+
+def test_a_round_without_history_is_bounded_by_theta_g_own_scale():
+    guard = DivergenceGuard(factor=100.0, max_skipped=0, absolute_factor=10.0)
+    reason, why = guard.judge(0, True, 15.0, theta_scale=1.0)
+    assert reason == "divergent" and "15 x θg's own largest value 1" in why and "first_round_factor=10" in why
+    assert guard.judge(0, True, 9.0, theta_scale=1.0) == (None, "")
+    assert guard.judge(0, True, 1e9, theta_scale=0.0) == (None, ""), "θg all zeros: nothing to bound by"
+    guard.applied(0, 0.5)  # with a history the median decides: 15 is 30 x 0.5, under divergence_factor 100
+    assert guard.judge(0, True, 15.0, theta_scale=1.0) == (None, "")
+    assert DivergenceGuard(factor=100.0, max_skipped=0).judge(0, True, 1e9, theta_scale=1.0) == (None, "")
+
+
+def test_outer_updates_that_keep_growing_are_warned_about_once(caplog):
+    warm_up, blowing_up = DivergenceGuard(100.0, 0), DivergenceGuard(100.0, 0)
+    with caplog.at_level(logging.WARNING, logger="hf_diloco.core.rounds"):
+        for round_ in range(1, 9):
+            warm_up.applied(0, 0.01 * round_)  # a linear learning-rate warm-up
+        assert not caplog.records
+        for round_ in range(8):
+            blowing_up.applied(0, 0.01 * 2.0**round_)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "fragment 0 grew at least 1.5x in each of its last 4 rounds" in warnings[0]

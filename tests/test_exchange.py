@@ -456,6 +456,30 @@ def test_settings_that_differ_between_workers_fail_at_start_on_every_rank():
 def test_checkpoint_with_other_settings_is_refused():
     engine = DiLoCo(tiny_model(), None, DiLoCoConfig(inner_steps=4))
     state = engine.state_dict()
-    other = DiLoCo(tiny_model(), None, DiLoCoConfig(inner_steps=8))
-    with pytest.raises(ValueError, match="different DiLoCo settings"):
+    other = DiLoCo(tiny_model(), None, DiLoCoConfig(inner_steps=8, compression="int8"))
+    with pytest.raises(ValueError) as refused:
         other.load_state_dict(state)
+    message = str(refused.value)
+    assert 'compression: "none" in the checkpoint, "int8" in this run' in message
+    assert "inner_steps: 4 in the checkpoint, 8 in this run" in message
+    assert 'resume with the settings it was saved with (compression="none", inner_steps=4)' in message
+    assert "sync_timeout" not in message, "a node-local field is no reason to refuse"
+    # A state written before the fields were stored has only the hash: still refused, by it.
+    del state["settings"]
+    with pytest.raises(ValueError, match="different DiLoCo settings \\(fingerprint [0-9a-f]{16} != "):
+        other.load_state_dict(state)
+    DiLoCo(tiny_model(), None, DiLoCoConfig(inner_steps=4, sync_timeout_seconds=5)).load_state_dict(state)
+
+
+def test_an_elastic_joiner_with_other_settings_is_refused_naming_them():
+    from hf_diloco.core.elastic import check_peer_settings
+
+    running = DiLoCoConfig(inner_steps=4)
+    state = {"fingerprint": running.fingerprint(), "settings": running.shared_settings()}  # what a peer serves
+    with pytest.raises(ValueError) as refused:
+        check_peer_settings(DiLoCoConfig(inner_steps=2), state)
+    assert str(refused.value) == (
+        "A live peer runs with other DiLoCo settings (inner_steps: 4 in the peer, 2 in this worker): start this worker "
+        "with the running workers' DiLoCo config (inner_steps=4)."
+    )
+    check_peer_settings(DiLoCoConfig(inner_steps=4, sync_timeout_seconds=3), state)  # node-local: no reason

@@ -225,3 +225,46 @@ def test_a_peer_with_another_secret_is_refused(lighthouse):
     assert len(refused) == 1 and isinstance(refused[0], HealStateRefused), errors
     assert "not signed with this job's secret" in str(refused[0]) and loaded == []
     assert "secret-1" not in str(refused[0]) and "secret-2" not in str(refused[0])  # never in a message
+
+
+@pytest.mark.timeout(60)
+def test_a_quorum_that_never_forms_names_the_lighthouse_and_the_ways_out():
+    """A real Lighthouse waiting for a second worker that never comes (what a worker sees once the Lighthouse is
+    lost): torchft's bare `TimeoutError: status: Cancelled` becomes a `QuorumTimeout` naming the address."""
+    from torchft._torchft import LighthouseServer, ManagerClient, ManagerServer
+
+    from hf_diloco.core.torchft_membership import QuorumTimeout, _RecordingClient
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    server = ManagerServer(
+        replica_id="alone",
+        lighthouse_addr=lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="127.0.0.1:1",
+        world_size=1,
+        heartbeat_interval=timedelta(milliseconds=100),
+        connect_timeout=timedelta(seconds=5),
+        quorum_retries=0,
+    )
+    try:
+        client = ManagerClient(server.address(), connect_timeout=timedelta(seconds=5))
+        sink: dict = {}
+        recording = _RecordingClient(client, sink, lighthouse.address(), 1.0, "127.0.0.1")
+        with pytest.raises(QuorumTimeout) as timed_out:
+            recording._quorum(
+                group_rank=0,
+                step=0,
+                checkpoint_metadata="",
+                shrink_only=False,
+                timeout=timedelta(seconds=1),
+                commit_failures=0,
+                init_sync=True,
+            )
+        message = str(timed_out.value)
+        assert f"No quorum from the Lighthouse {lighthouse.address()} within quorum_timeout=1s" in message
+        assert "status: Cancelled" in message and "resuming from their last checkpoint" in message
+        assert isinstance(timed_out.value, TimeoutError) and "replica_ids" not in sink
+    finally:
+        server.shutdown()
+        lighthouse.shutdown()

@@ -11,6 +11,7 @@ from hf_diloco.model_card import (
     communication_summary,
     ddp_allreduce_bytes,
     has_diloco_tag,
+    never_improved,
     render_model_card,
     template_text,
     write_model_card,
@@ -294,3 +295,15 @@ def test_trainer_card_title_from_run_name(tmp_path):
     trainer.train()
     trainer.save_model()
     assert "# my-run" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_a_model_that_never_improved_on_its_first_evaluation_is_flagged():
+    log = [{"Step": 0, "Validation Loss": 4.8}, {"Step": 4, "Validation Loss": 5.1}]
+    flagged = render_model_card(_settings(), COMMUNICATION, "d", None, {"eval_loss": 4.9}, training_log=log)
+    assert "**Warning:** This model never improved on its first evaluation (validation loss 4.8 at step 0" in flagged
+    assert "the final one 4.9" in flagged and "Check the learning rates" in flagged
+    improved = render_model_card(_settings(), COMMUNICATION, "d", None, {"eval_loss": 4.7}, training_log=log)
+    assert "never improved" not in improved
+    assert "never improved" not in render_model_card(_settings(), COMMUNICATION, "d", None, {"eval_loss": 9.0})
+    assert never_improved([(0, 4.8)], float("nan")) is not None  # a final NaN loss is no improvement
+    assert never_improved([(0, 4.8), (2, float("nan"))], 4.0) is None

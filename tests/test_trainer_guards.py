@@ -149,6 +149,29 @@ def test_resume_with_another_model_or_world_size_is_refused_before_loading(seque
 
 
 @pytest.mark.timeout(600)
+def test_resume_with_other_settings_than_the_checkpoint_names_them_before_any_step(sequence):
+    """Another compression, inner_steps, batch, data seed or tokenizer than the checkpoint's: refused on every rank,
+    naming the setting, both values and the ways out; nothing trained or written. (The same values resume: the
+    `rerun` case above.)"""
+    _, results = sequence
+    expected = {
+        "compression": 'compression: "none" in the checkpoint, "int8" in this run',
+        "inner_steps": "inner_steps: 4 in the checkpoint, 2 in this run",
+        "batch": "per_device_train_batch_size: 2 in the checkpoint, 4 in this run",
+        "data_seed": "data_seed: null in the checkpoint, 7 in this run",
+        "tokenizer": 'tokenizer: "sha256:first" in the checkpoint, "sha256:another" in this run',
+    }
+    for result in results:
+        for case, named in expected.items():
+            refused = result[f"changed_{case}"]
+            assert refused["error"] == "CheckpointError", (case, refused)
+            assert named in refused["message"] and "Resume with the checkpoint's values" in refused["message"], case
+            assert "another --output_dir" in refused["message"]
+            assert refused["steps"] == [] and refused["unchanged"], case
+            assert refused["message"].count(" in the checkpoint, ") == 1, refused["message"]
+
+
+@pytest.mark.timeout(600)
 def test_settings_that_differ_between_ranks_fail_at_start_on_every_rank(sequence):
     """Rank 1 has another max_steps and another hidden_act (same shapes): both ranks fail before the first step,
     naming the settings and the rank, instead of hanging at the first save."""

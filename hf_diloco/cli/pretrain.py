@@ -136,6 +136,7 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
         set_model_max_length,
         tokenizer_fingerprint,
     )
+    from ..model_card import never_improved
     from ..modeling import build_model
     from ..trainer import DiLoCoTrainer
 
@@ -180,10 +181,14 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
                 file=sys.stderr,
             )
     # The final weights are evaluated before they are saved, so the card in the folder quotes their numbers.
+    during = [(entry.get("step"), entry["eval_loss"]) for entry in trainer.state.log_history if "eval_loss" in entry]
     eval_metrics = trainer.evaluate()
     eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
     if args.process_index == 0:
         _say_which_evaluation_is_final(trainer.state, eval_metrics["eval_loss"])
+    warning = never_improved(during, eval_metrics["eval_loss"])
+    if warning is not None and args.process_index == 0:
+        print(f"Warning: {warning} (in {args.output_dir})", file=sys.stderr)
     trainer.save_model()
     if args.process_index == 0:
         _record_final_model(args, trainer.state.global_step)

@@ -26,6 +26,7 @@ from .devices import placed
 from .exchange import ExchangeResult, PendingExchange
 from .fragment import InFlight
 from .overlap import in_flight_order
+from .settings_check import check_same_settings
 from .stats import EngineStats
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ def engine_state(engine: DiLoCo) -> dict:
     trajectories = [f.trajectory for f in fragments if f.trajectory is not None]
     return {
         "fingerprint": engine.config.fingerprint(),
+        "settings": engine.config.shared_settings(),
         "inner_step": engine.inner_step,
         "global": [f.theta_g.clone() for f in fragments],
         "local": [f.local() for f in fragments],
@@ -108,12 +110,9 @@ def load_engine_state(engine: DiLoCo, state: dict) -> None:
 
 
 def _check_compatible(engine: DiLoCo, state: dict) -> None:
-    fingerprint = engine.config.fingerprint()
-    if state["fingerprint"] != fingerprint:
-        raise ValueError(
-            f"This DiLoCo checkpoint was written with different DiLoCo settings (fingerprint {state['fingerprint']} "
-            f"!= {fingerprint}); resume with the settings it was saved with."
-        )
+    check_same_settings(
+        engine.config, state, "This DiLoCo checkpoint was written", "resume with the settings it was saved with"
+    )
     saved, mine = state.get("shard"), shard_description(engine)
     if mine["count"] > 1 and saved != mine:
         raise ValueError(

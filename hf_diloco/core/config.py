@@ -36,6 +36,10 @@ SCALE_DTYPES = ("fp32", "bf16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
 
 
+# Settings each node may choose for itself (where theta_g lives, how long it waits for peers).
+LOCAL_ONLY_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds"})
+
+
 @dataclass
 class DiLoCoConfig:
     """
@@ -86,6 +90,8 @@ class DiLoCoConfig:
         robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the median norm.
         divergence_factor (`float`): skip a round whose average's norm exceeds this multiple of the median norm of the
             fragment's last applied rounds (0 = off).
+        first_round_factor (`float`): skip a round without a history (a fragment's first) whose average's largest
+            absolute value exceeds this multiple of theta_g's own (0 = off).
         max_skipped_rounds (`int`): stop with an error when this many rounds of one fragment in a row are skipped
             (non-finite or divergent averages; 0 = never stop).
 
@@ -220,6 +226,14 @@ class DiLoCoConfig:
             "above this factor times the median norm of the fragment's last 5 applied rounds, and warn. 0 = off."
         },
     )
+    first_round_factor: float = field(
+        default=10.0,
+        metadata={
+            "help": "Divergence guard for a round without a history (a fragment's first): skip it when its averaged "
+            "pseudo-gradient's largest absolute value exceeds this factor times theta_g's own largest absolute "
+            "value (one worker's garbage weights before the first exchange). 0 = off."
+        },
+    )
     max_skipped_rounds: int = field(
         default=3,
         metadata={
@@ -286,6 +300,7 @@ class DiLoCoConfig:
         _check_float("sync_timeout_seconds", self.sync_timeout_seconds, low=0.0, low_open=True)
         _check_float("robust_clip_factor", self.robust_clip_factor, low=0.0)
         _check_float("divergence_factor", self.divergence_factor, low=0.0)
+        _check_float("first_round_factor", self.first_round_factor, low=0.0)
         if 0 < self.divergence_factor <= 1:
             raise ValueError(
                 f"divergence_factor must be 0 (off) or > 1, got {self.divergence_factor}: at or below 1 a healthy "
@@ -340,9 +355,13 @@ class DiLoCoConfig:
         """The DiLoCo fields only (also on subclasses that add many more fields)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(DiLoCoConfig)}
 
+    def shared_settings(self) -> dict[str, Any]:
+        """The fields every worker must agree on (everything but local runtime knobs), by name: what a checkpoint and
+        a heal state store, so that a difference is named field by field (`settings_check`)."""
+        return {k: v for k, v in self.diloco_dict().items() if k not in LOCAL_ONLY_FIELDS}
+
     def fingerprint(self) -> str:
-        """A hash of the fields that every worker must agree on (everything but local runtime knobs)."""
-        local_only = {"global_copy_device", "sync_timeout_seconds"}
+        """A hash of `shared_settings`."""
         # Fields added after checkpoints were first written are hashed only when set away from their default, so an
         # older checkpoint (or worker) with the same settings keeps its fingerprint.
         added_later = {
@@ -352,12 +371,9 @@ class DiLoCoConfig:
             "eager_estimate": "own_share",
             "divergence_factor": 100.0,
             "max_skipped_rounds": 3,
+            "first_round_factor": 10.0,
         }
-        shared = {
-            k: v
-            for k, v in self.diloco_dict().items()
-            if k not in local_only and not (k in added_later and v == added_later[k])
-        }
+        shared = {k: v for k, v in self.shared_settings().items() if not (k in added_later and v == added_later[k])}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
 
     def short_run_warning(self, total_inner_steps: int) -> str | None:
@@ -430,6 +446,11 @@ class DiLoCoConfig:
                     values[f.name], sources[f.name] = layer[f.name], describe(f.name)
                     break
         return values, sources
+
+
+def diloco_defaults() -> dict[str, Any]:
+    """Each DiLoCo field's default (a field added after a state was written holds it there)."""
+    return {f.name: f.default for f in dataclasses.fields(DiLoCoConfig) if f.default is not dataclasses.MISSING}
 
 
 def diloco_field_names() -> list[str]:

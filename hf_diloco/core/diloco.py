@@ -112,7 +112,7 @@ class DiLoCo:
         self.stats = EngineStats()
         self.exchange = _make_exchange(self.topology, config)
         self.worker = Worker(self.topology, self._count_intra_worker_bytes)
-        self.guard = DivergenceGuard(config.divergence_factor, config.max_skipped_rounds)
+        self.guard = DivergenceGuard(config.divergence_factor, config.max_skipped_rounds, config.first_round_factor)
         self._observers = Observers()
         self.rounds = RoundKeeper(
             self.stats,

@@ -38,8 +38,10 @@ import torch.distributed as dist
 from .checkpoint import load_merged_optimizer_state, merged_optimizer_state
 from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange
 from .fragment import Fragment, InFlight
+from .settings_check import check_same_settings
 
 if TYPE_CHECKING:
+    from .config import DiLoCoConfig
     from .diloco import DiLoCo
 
 logger = logging.getLogger(__name__)
@@ -183,6 +185,7 @@ class ElasticRounds:
         engine = self.engine
         return {
             "fingerprint": engine.config.fingerprint(),
+            "settings": engine.config.shared_settings(),
             "inner_step": engine.inner_step,
             "global": [fragment.theta_g for fragment in engine.fragments],
             "outer_optimizer": merged_optimizer_state([fragment.outer_optimizer for fragment in engine.fragments]),
@@ -199,11 +202,7 @@ class ElasticRounds:
     def load_global_state(self, state: dict) -> None:
         """Take a live peer's `global_state`: θg into the model, this worker's own round discarded."""
         engine = self.engine
-        if state["fingerprint"] != engine.config.fingerprint():
-            raise ValueError(
-                "A peer runs with different DiLoCo settings (fingerprint "
-                f"{state['fingerprint']} != {engine.config.fingerprint()}); start every worker with the same config."
-            )
+        check_peer_settings(engine.config, state)
         engine.inner_step = int(state["inner_step"])
         for fragment, theta_g in zip(engine.fragments, state["global"]):
             fragment.theta_g.copy_(theta_g)
@@ -339,6 +338,19 @@ class ElasticRounds:
             engine.overlap.launched(fragment, flight)
         else:  # every member joined during this round: there is nothing to average
             fragment.write_local(fragment.theta_g)
+
+
+def check_peer_settings(config: DiLoCoConfig, state: dict) -> None:
+    """Refuse a live peer's `global_state` written with other DiLoCo settings than `config`, naming each field with
+    both values (only the fingerprints for a peer of a version that sent no settings)."""
+    check_same_settings(
+        config,
+        state,
+        "A live peer runs",
+        "start this worker with the running workers' DiLoCo config",
+        theirs="the peer",
+        ours="this worker",
+    )
 
 
 def _completed_flight(flight: InFlight) -> dict:

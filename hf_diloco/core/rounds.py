@@ -11,6 +11,11 @@ whether theirs is finite and its largest absolute value (a maximum: exact in any
 - `DivergenceGuard`: a finite average whose largest absolute value exceeds `divergence_factor` times the median of
   that of the fragment's last applied rounds is rejected (a diverged worker's absurd update, e.g. 5e8 where the
   recent rounds moved by ~1e-2, would otherwise be applied and the run would finish with a dead model).
+- A fragment's round without a history (its first, or the first after rounds at learning rate 0) is rejected when
+  its average's largest absolute value exceeds `first_round_factor` times θg's own: one worker's garbage weights
+  before the first exchange (e.g. every weight 30 where θg's largest is 1) would otherwise become θg everywhere.
+- Outer updates that grew at least 1.5x in each of a fragment's last 4 rounds are warned about (once): a blow-up
+  that stays under `divergence_factor` x the median.
 - `max_skipped_rounds` rejections of one fragment in a row stop the run with `TrainingDivergedError`, on every
   worker at the same round, once the observers have seen that round.
 """
@@ -57,19 +62,32 @@ class DivergenceGuard:
     """
 
     HISTORY = 5
+    # A warning when each of the last HISTORY applied rounds was at least GROWTH times larger than the one before
+    # (1.5^4 = 5x in four rounds): a blow-up still under `factor` x the median. A linear learning-rate warm-up grows
+    # less than 1.5x per round from its third round on.
+    GROWTH = 1.5
 
     factor: float
     max_skipped: int
+    absolute_factor: float = 0.0
     scales: dict[int, list[float]] = field(default_factory=dict)
     skipped_in_a_row: dict[int, int] = field(default_factory=dict)
     last_rejection: dict[int, tuple[int, str]] = field(default_factory=dict, compare=False)
+    warned_growth: set[int] = field(default_factory=set, compare=False)
 
-    def judge(self, fragment: int, finite: bool, scale: float) -> tuple[str | None, str]:
+    def judge(self, fragment: int, finite: bool, scale: float, theta_scale: float = 0.0) -> tuple[str | None, str]:
         """(`None`, "") to apply an average (`finite`, largest absolute value `scale`), else (`"nonfinite"` or
-        `"divergent"`, why)."""
+        `"divergent"`, why). `theta_scale`: θg's own largest absolute value, the bound of a round without a history
+        (`absolute_factor`; 0: θg all zeros, no bound)."""
         if not finite:
             return "nonfinite", "its average is not finite (a worker produced NaN/inf)"
         recent = self.scales.get(fragment)
+        if not recent and self.absolute_factor and theta_scale > 0 and scale > self.absolute_factor * theta_scale:
+            return "divergent", (
+                f"its average's largest value {scale:.3g} is {scale / theta_scale:.3g} x θg's own largest value "
+                f"{theta_scale:.3g}, with no earlier round to compare with (first_round_factor="
+                f"{self.absolute_factor:g}; a worker's weights were likely garbage before the first exchange)"
+            )
         if not self.factor or not recent:
             return None, ""
         typical = statistics.median(recent)
@@ -84,6 +102,22 @@ class DivergenceGuard:
         self.skipped_in_a_row[fragment] = 0
         if scale > 0:
             self.scales[fragment] = [*self.scales.get(fragment, []), scale][-self.HISTORY :]
+            self._warn_if_growing(fragment)
+
+    def _warn_if_growing(self, fragment: int) -> None:
+        recent = self.scales[fragment]
+        growing = len(recent) == self.HISTORY and all(b >= self.GROWTH * a for a, b in zip(recent, recent[1:]))
+        if not growing or fragment in self.warned_growth:
+            return
+        self.warned_growth.add(fragment)
+        logger.warning(
+            "The outer updates of fragment %d grew at least %gx in each of its last %d rounds (largest values %s): "
+            "training may be diverging. Check the loss; lower the inner or outer learning rate if it rises.",
+            fragment,
+            self.GROWTH,
+            self.HISTORY - 1,
+            ", ".join(f"{value:.3g}" for value in recent),
+        )
 
     def rejected(self, fragment: int, step: int, why: str) -> None:
         skipped = self.skipped_in_a_row[fragment] = self.skipped_in_a_row.get(fragment, 0) + 1
@@ -201,8 +235,8 @@ class RoundKeeper:
             self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]
         self.stats.clipped_contributions += int(result.clipped)
         average = result.average.to(fragment.device)
-        finite, scale = self._verdict(average)
-        rejected, why = self.guard.judge(fragment.index, finite, scale)
+        finite, scale, theta_scale = self._verdict(average, fragment.theta_g)
+        rejected, why = self.guard.judge(fragment.index, finite, scale, theta_scale)
         if rejected is None:
             if not final:
                 self.guard.applied(fragment.index, scale)
@@ -221,12 +255,13 @@ class RoundKeeper:
             workers=self.workers,
         )
 
-    def _verdict(self, average: torch.Tensor) -> tuple[bool, float]:
-        """Whether the whole average is finite, and its largest absolute value, over the worker's ranks."""
+    def _verdict(self, average: torch.Tensor, theta_g: torch.Tensor) -> tuple[bool, float, float]:
+        """Whether the whole average is finite, its largest absolute value and θg's, over the worker's ranks."""
         finite = bool(torch.isfinite(average).all())
         scale = float(average.abs().max()) if finite and average.numel() else 0.0
-        nonfinite, scale = self.worker.max([0.0 if finite else 1.0, scale])
-        return nonfinite == 0.0, scale
+        theta_scale = float(theta_g.abs().max()) if theta_g.numel() else 0.0
+        nonfinite, scale, theta_scale = self.worker.max([0.0 if finite else 1.0, scale, theta_scale])
+        return nonfinite == 0.0, scale, theta_scale
 
     def _reject(self, fragment: Fragment, reason: str, why: str) -> None:
         fragment.residual = None

@@ -48,6 +48,10 @@ class DuplicateReplicaId(RuntimeError):
     """Two live workers joined the Lighthouse under the same `replica_id`."""
 
 
+class QuorumTimeout(TimeoutError):
+    """No quorum within `quorum_timeout`: the Lighthouse was lost, or too few workers reached it."""
+
+
 class TorchftMembership:
     """One worker of an elastic job (one process; its `replica_id` names it to the Lighthouse).
 
@@ -141,7 +145,9 @@ class TorchftMembership:
                 checkpoint_transport=_counting_http_transport(sync_timeout, self._heal, self.host, self._secret),
             )
         # The members of each quorum, for the duplicate-id check (torchft keeps them only in a local variable).
-        self.manager._client = _RecordingClient(self.manager._client, self._heal)
+        self.manager._client = _RecordingClient(
+            self.manager._client, self._heal, self.lighthouse, self._timeouts[1], self.host
+        )
 
     def begin_round(self) -> RoundView:
         """Form the group of the next exchange; blocks, bounded by `min_workers_timeout`, while fewer than the
@@ -342,13 +348,25 @@ def _job_secret(secret: str | bytes | None) -> bytes | None:
 
 
 class _RecordingClient:
-    """torchft's Manager client, recording the members of each quorum (for the duplicate-id check)."""
+    """torchft's Manager client, recording the members of each quorum (for the duplicate-id check), and turning
+    torchft's bare quorum timeout (`TimeoutError: status: Cancelled`) into a `QuorumTimeout` that names the
+    Lighthouse and what to do."""
 
-    def __init__(self, client: object, sink: dict):
+    def __init__(self, client: object, sink: dict, lighthouse: str, quorum_timeout: float, host: str):
         self._client_, self._sink = client, sink
+        self._lighthouse, self._quorum_timeout, self._host = lighthouse, quorum_timeout, host
 
     def _quorum(self, *args: object, **kwargs: object) -> object:
-        result = self._client_._quorum(*args, **kwargs)
+        try:
+            result = self._client_._quorum(*args, **kwargs)
+        except TimeoutError as error:
+            raise QuorumTimeout(
+                f"No quorum from the Lighthouse {self._lighthouse} within quorum_timeout={self._quorum_timeout:g}s "
+                f"(torchft: {error}). Either the Lighthouse stopped or is unreachable from this worker ({self._host}): "
+                "check that it runs at that address; or fewer than its --min_replicas workers reached it. A restarted "
+                "Lighthouse does not bring back the running workers: restart them, resuming from their last "
+                "checkpoint. Lower quorum_timeout to find out sooner."
+            ) from error
         self._sink["replica_ids"], self._sink["heal"] = list(result.replica_ids), bool(result.heal)
         return result
 

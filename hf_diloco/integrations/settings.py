@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.config import DiLoCoConfig
+from ..core.config import LOCAL_ONLY_FIELDS, DiLoCoConfig
 
 # DiLoCo settings each node may choose for itself (where theta_g lives, how long it waits for peers); the others must
 # be the same on every rank.
-NODE_LOCAL_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds"})
+NODE_LOCAL_FIELDS = LOCAL_ONLY_FIELDS
 
 
 class DiLoCoSettings(DiLoCoConfig):

@@ -30,6 +30,14 @@ from tests.engine_common import cpu_trainer_args, tiny_llama
 
 SECRET_TOKEN = "hf_reliabilityTestSecret0123456789"
 MAX_STEPS, SAVE_STEPS = 8, 4
+# What a resume changes against the checkpoint (each refused before any step).
+RESUME_CHANGES = {
+    "compression": {"compression": "int8"},
+    "inner_steps": {"inner_steps": 2},
+    "batch": {"per_device_train_batch_size": 4},
+    "data_seed": {"data_seed": 7},
+    "tokenizer": {"tokenizer": "sha256:another"},
+}
 
 
 class StepCounter(TrainerCallback):
@@ -70,7 +78,14 @@ class StallingTrainer(DiLoCoTrainer):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def make_trainer(output_dir: Path, trainer_class=DiLoCoTrainer, model: dict | None = None, callbacks=(), **overrides):
+def make_trainer(
+    output_dir: Path,
+    trainer_class=DiLoCoTrainer,
+    model: dict | None = None,
+    callbacks=(),
+    tokenizer: str = "sha256:first",
+    **overrides,
+):
     values = cpu_trainer_args(
         output_dir,
         max_steps=MAX_STEPS,
@@ -95,6 +110,7 @@ def make_trainer(output_dir: Path, trainer_class=DiLoCoTrainer, model: dict | No
         data_collator=default_data_collator,
         callbacks=[counter, *callbacks],
     )
+    trainer.require_agreement("tokenizer", tokenizer)  # as the main job adds its tokenizer's fingerprint
     return trainer, counter
 
 
@@ -155,6 +171,12 @@ def sequence(base: Path, rank: int) -> dict[str, Any]:
     trainer, counter = make_trainer(run, model={"hidden_size": 64})
     results["other_model"] = attempt(lambda: trainer.train(resume_from_checkpoint=True))
     results["other_model"]["unchanged"] = snapshot(run) == before
+
+    # Another batch, data seed, DiLoCo field or tokenizer than the checkpoint's: refused, naming it, before any step.
+    for case, overrides in RESUME_CHANGES.items():
+        trainer, counter = make_trainer(run, **overrides)
+        results[f"changed_{case}"] = attempt(lambda trainer=trainer: trainer.train(resume_from_checkpoint=True))
+        results[f"changed_{case}"].update(steps=counter.steps, unchanged=snapshot(run) == before)
 
     # Only scheduler.pt of each checkpoint is truncated; the weights are intact.
     dist.barrier()

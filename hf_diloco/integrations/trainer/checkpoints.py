@@ -11,6 +11,7 @@ is published (`hf_diloco.checkpointing`), and every wait for the other ranks whi
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -31,12 +32,16 @@ from ...checkpointing import (
     verify_checkpoint,
     write_manifest,
 )
+from ...core.settings_check import describe_changes, saved_values, setting_changes
 from ...global_points import PeerTimeoutError
 from ...modeling import architecture, describe_architecture_change
 from ..rank_state import load_rank_state, rank_state_path, ranks_with_state, save_rank_state
 from .attributes import temporarily_set
 
 logger = logging.get_logger(__name__)
+
+# The settings a resume must keep (`settings_to_resume_with`), by name, in every checkpoint.
+RUN_SETTINGS_NAME = "diloco_run_settings.json"
 
 
 class Checkpoints:
@@ -55,8 +60,9 @@ class Checkpoints:
         - `resume_from_checkpoint=True` picks the newest *complete* checkpoint in `output_dir`; when the folder holds
           checkpoints but none verifies it raises `CheckpointError` (naming each one's problem) instead of starting
           over; a named checkpoint is verified against its manifest first.
-        - A checkpoint written by another number of processes or for another model architecture is refused before
-          anything is loaded.
+        - A checkpoint written by another number of processes, for another model architecture or with other settings
+          (`settings_to_resume_with`: batch, seeds, DiLoCo fields, tokenizer and data) is refused before anything is
+          loaded, naming each difference with both values.
         - Before the first step, the engine's start-up check (one all-gather) tells whether the settings that must
           agree (`settings_that_must_agree`) do; when they differ every rank raises `SettingsMismatchError` naming
           them. Each global point waits at most `sync_timeout_seconds` for the other ranks and then fails naming the
@@ -100,6 +106,7 @@ class Checkpoints:
                 f"{checkpoint} was written by {len(writers)} processes, this run has {self.args.world_size}: DiLoCo "
                 f"state is per process. Resume with {len(writers)} processes, {way_out}."
             )
+        self._check_same_settings_as(checkpoint, way_out)
         config_path = os.path.join(checkpoint, CONFIG_NAME)
         config = getattr(self.model, "config", None)
         if not os.path.isfile(config_path) or config is None or not hasattr(config, "to_dict"):
@@ -111,6 +118,26 @@ class Checkpoints:
                 f"{checkpoint} holds another model than this run builds ({change}; checkpoint -> this run). Resume "
                 f"with the model settings it was saved with (`model:` in the config), {way_out}."
             )
+
+    def _check_same_settings_as(self, checkpoint: str, way_out: str) -> None:
+        """Refuse a checkpoint saved with another batch, seed, DiLoCo field, tokenizer or data than this run's, naming
+        each (a checkpoint written before these were stored is checked by the engine's fingerprint only)."""
+        path = os.path.join(checkpoint, RUN_SETTINGS_NAME)
+        if not os.path.isfile(path):
+            return
+        with open(path) as handle:
+            saved = json.load(handle)
+        changes = setting_changes(saved, self.settings_to_resume_with())
+        if changes:
+            raise CheckpointError(
+                f"{checkpoint} was saved with other settings than this run's ({describe_changes(changes)}). Resume "
+                f"with the checkpoint's values ({saved_values(changes)}), {way_out}."
+            )
+
+    def _write_run_settings(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, RUN_SETTINGS_NAME), "w") as handle:
+            json.dump(self.settings_to_resume_with(), handle, indent=1, sort_keys=True, default=str)
 
     def _run_was_finished(self, checkpoint: str) -> bool:
         state = read_trainer_state(checkpoint)
@@ -155,6 +182,8 @@ class Checkpoints:
         try:
             with temporarily_set(self.args, "save_total_limit", None), self._bounded_trainer_barrier(f"saving {name}"):
                 super()._save_checkpoint(model, trial)
+            if self.args.should_save:
+                self._write_run_settings(folder)
             self.wait_for_all_ranks(f"the end of writing {name} (every rank's files written)")
             if self.args.should_save:
                 write_manifest(folder)

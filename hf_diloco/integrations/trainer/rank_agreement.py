@@ -35,7 +35,8 @@ class RankAgreement:
     def require_agreement(self, name: str, value: Any) -> None:
         """
         Add a setting that must be equal on every rank to the start-of-training check (for example the main job's
-        tokenizer and data fingerprints). `value` must be JSON-serialisable; give a large one as
+        tokenizer and data fingerprints); a resume is also refused when it differs from the checkpoint's
+        (`settings_to_resume_with`). `value` must be JSON-serialisable; give a large one as
         `hf_diloco.global_points.fingerprint(value)`.
         """
         self._settings_that_must_agree[name] = value
@@ -68,6 +69,25 @@ class RankAgreement:
             settings["model_config"] = architecture(config)
         settings.update(self._settings_that_must_agree)
         return settings
+
+    def settings_to_resume_with(self) -> dict[str, Any]:
+        """
+        The settings a resume must keep, by name: stored in every checkpoint (`RUN_SETTINGS_NAME`) and compared when
+        resuming from it, so that a resume with another batch, seed, DiLoCo field, tokenizer or data is refused naming
+        the setting instead of training on silently. The batch and gradient accumulation, the seeds, every DiLoCo
+        field ranks share, and whatever `require_agreement` added (the main job's tokenizer and data fingerprints).
+        The world size and the model config are checked on their own (`Checkpoints._check_checkpoint_fits`);
+        `max_steps` and the saving, evaluation and logging schedule may change on a resume.
+        """
+        args = self.args
+        return {
+            "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            "seed": args.seed,
+            "data_seed": args.data_seed,
+            **args.shared_diloco_settings(),
+            **self._settings_that_must_agree,
+        }
 
     def _settings_fingerprint(self, checkpoint: str | None = None) -> str:
         """The fingerprint of `settings_that_must_agree(checkpoint)` that the engine's start-up check compares."""
