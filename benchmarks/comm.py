@@ -112,8 +112,20 @@ def write_report(results: list[dict], args: argparse.Namespace, argv: list[str] 
         )
     Path(str(out) + ".md").write_text("\n".join(lines) + "\n")
     Path(str(out) + ".json").write_text(json.dumps({"command": command, "results": results}, indent=2))
-    _plot(results, Path(str(out) + ".png"), args)
+    if not _can_plot():
+        print(f"matplotlib is not installed: no {out}.png (the results are in {out}.json and {out}.md)", flush=True)
+    else:
+        _plot(results, Path(str(out) + ".png"), args)
     print("\n".join(lines))
+
+
+def _can_plot() -> bool:
+    """Whether matplotlib imports (a missing plot must not lose a finished run's results)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _plot(results: list[dict], path: Path, args: argparse.Namespace) -> None:

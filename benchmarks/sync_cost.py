@@ -9,10 +9,12 @@ many parameters, as 1024-row matrices):
 
 - `flatten`, `pseudo-gradient`, `unflatten`, `outer step`: a `Fragment` over the whole model (`local()`,
   `pseudo_gradient(θg)`, `write_local(θg)`, `outer_step(average)` with Nesterov SGD, momentum 0.9), with the
-  engine's reused buffers (`BufferPool`);
+  engine's reused buffers (`BufferPool`); `verdict`: the engine's check of the round's average (finite, and its
+  largest absolute value, `rounds.finite_and_scale`);
 - `encode`, `decode` of every codec (into a vector already in memory: the exchange decodes the round's average into
   the engine's reused buffer), and `sum` (`decode_sum` of M = 2 payloads of half the model each: what a rank sums in
-  the default `reduce_scatter` exchange), with a `coding_pool` of the thread count;
+  the default `reduce_scatter` exchange, into a buffer it keeps between rounds), with a `coding_pool` of the thread
+  count;
 - `deflate`, `inflate` (`entropy_coding`) of the fp4 payload, per GB of the fp32 model it encodes;
 - `copy`: `torch.Tensor.copy_` of the same fp32 bytes into a buffer already in memory, the limit; and `fresh copy`
   (`clone`), whose output pages are touched for the first time, as every stage's fresh output is.
@@ -24,7 +26,7 @@ thread, the core's time the stage used). `--before REV [REV ...]` also times the
 encode, decode and sum with `hf_diloco/core` as it is in each git revision REV (its own code: its codecs with the
 `coding_pool` if they take one, else torch's threads; its fragments with the buffers it has, if any), side by side in
 the same rounds. The default fp4 path's round (`reduce_scatter`, M = 2) costs: pseudo-gradient + encode +
-sum + encode of half + decode + outer step + unflatten, printed as wall and CPU seconds per GB of fp32 model;
+sum + encode of half + decode + verdict + outer step + unflatten, printed as wall and CPU seconds per GB of fp32 model;
 `benchmarks.projection` reads the stage costs from `--out` (`.json`; `.md` the tables).
 """
 
@@ -49,6 +51,7 @@ from torch import nn
 import hf_diloco.core.buffers
 import hf_diloco.core.fragment
 import hf_diloco.core.fragments
+import hf_diloco.core.rounds
 import hf_diloco.core.shard
 import hf_diloco.core.topology
 from benchmarks.common import RESULTS_DIR, command_line
@@ -67,6 +70,7 @@ DEFAULT_ROUND = {
     "fp4 sum": 1.0,
     "fp4 decode": 1.0,
     "outer step": 1.0,
+    "verdict": 1.0,
     "unflatten": 1.0,
 }
 
@@ -146,6 +150,8 @@ def measure(
         for name in codecs:
             versions = {"package": make_codec(name, BLOCK_SIZES.get(name, 128), SCALE_DTYPES.get(name, "fp32"))}
             for revision, core in (before or {}).items():
+                if name not in core.codecs.COMPRESSIONS:  # a codec added since that revision
+                    continue
                 versions[revision] = core.codecs.make_codec(
                     name, BLOCK_SIZES.get(name, 128), SCALE_DTYPES.get(name, "fp32")
                 )
@@ -182,7 +188,21 @@ def fragment_stages(values: torch.Tensor, core: ModuleType) -> dict[str, Callabl
         "pseudo-gradient": lambda: fragment.pseudo_gradient(fragment.theta_g),
         "unflatten": lambda: fragment.write_local(fragment.theta_g),
         "outer step": lambda: fragment.outer_step(average),
+        "verdict": functools.partial(verdict_of(core), average),
     }
+
+
+def verdict_of(core: ModuleType) -> Callable[[torch.Tensor], tuple[bool, float]]:
+    """Whether the average is finite and its largest absolute value, as `core`'s engine checks every round; before
+    `rounds.finite_and_scale`, two passes (`isfinite().all()`, then `abs().max()`) with a temporary each."""
+    if hasattr(core, "rounds") and hasattr(core.rounds, "finite_and_scale"):
+        return core.rounds.finite_and_scale
+
+    def two_passes(average: torch.Tensor) -> tuple[bool, float]:
+        finite = bool(torch.isfinite(average).all())
+        return finite, float(average.abs().max()) if finite and average.numel() else 0.0
+
+    return two_passes
 
 
 def outer_optimizer(tensor: torch.Tensor) -> torch.optim.Optimizer:
@@ -194,13 +214,18 @@ def codec_stages(codec, values: torch.Tensor, pool, reused_output: bool = False)
     """Encode and decode `values` with `codec`, and sum two decoded halves (reduce_scatter, M = 2). `reused_output`:
     decode into a vector already in memory, as the package's exchange decodes the average into the engine's reused
     buffer; else into a fresh vector, as earlier revisions' exchange did."""
+    # Whole codec blocks in each half: `topk`'s 4096-value chunks trim up to 8191 values (0.03% of 32 M).
+    values = values[: values.numel() // (2 * codec.align) * (2 * codec.align)]
     numel = values.numel()
     new = hasattr(codec, "decode_sum")
     kwargs = {"pool": pool} if new else {}
     payload = codec.encode(values, **kwargs)
     into = {"out": torch.empty_like(values).zero_()} if reused_output else {}
     halves = [codec.encode(half, **kwargs) for half in values.chunk(2)]
-    if new:
+    if new and reused_output:  # the exchange sums into a buffer it keeps between rounds
+        summed = torch.empty(numel // 2, dtype=torch.float32).zero_()
+        add = lambda: codec.decode_sum(halves, numel // 2, pool, summed)  # noqa: E731
+    elif new:
         add = lambda: codec.decode_sum(halves, numel // 2, pool)  # noqa: E731
     else:
         add = lambda: summed_one_by_one(codec, halves, numel // 2)  # noqa: E731
@@ -266,7 +291,7 @@ def core_at(revision: str) -> ModuleType:
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
-    for module in ("codecs", "fragment", "fragments", "shard", "topology", "buffers"):
+    for module in ("codecs", "fragment", "fragments", "shard", "topology", "buffers", "rounds"):
         if f"{module}.py" in names:
             importlib.import_module(f"{name}.{module}")
     return package

@@ -18,6 +18,7 @@ INNER_LR = 3e-3
 
 # 1 bit per value with error feedback, on tiny blocks.
 SIGN_EF = dict(compression="sign", compression_block_size=32, error_feedback=True)
+TOPK_EF = dict(compression="topk", error_feedback=True, exchange_pattern="all_gather")
 # Adaptive compression that may send a fragment whole (rank 0), with SIGN_EF as the floor.
 ADAPTIVE_DENSE_SIGN = dict(SIGN_EF, lowrank_rank=4, adaptive_compression=True, adaptive_dense=True)
 

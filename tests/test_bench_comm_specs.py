@@ -1,6 +1,9 @@
 """`benchmarks.common` method specs: DiLoCoConfig overrides, the inner learning rate (DDP's too), workers; and a
 `benchmarks.comm` run that hands DDP over to DiLoCo."""
 
+import json
+import sys
+
 import pytest
 
 from benchmarks import comm, common
@@ -55,3 +58,14 @@ def test_every_method_is_checked_before_any_run_starts(tmp_path, capsys):
         comm.main(["--methods", "ddp", "streaming_fp4:inner_steps=4", "--out", str(tmp_path / "never")])
     assert "sync_delay (1) must be smaller than inner_steps / num_fragments" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_report_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """Without matplotlib the report skips the plot, saying so, and keeps the results (a long run must not be lost)."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    args = comm.build_parser().parse_args(["--out", str(tmp_path / "run")])
+    ddp = {"method": "ddp@2", "workers": 2, "bytes_per_token": 8.0, "peak_bytes_per_sync": 64, "eval_loss": 4.0}
+    comm.write_report([ddp], args, None)
+    assert json.loads((tmp_path / "run.json").read_text())["results"] == [ddp]
+    assert (tmp_path / "run.md").exists() and not (tmp_path / "run.png").exists()
+    assert "matplotlib is not installed: no " in capsys.readouterr().out

@@ -9,7 +9,17 @@ import pytest
 from benchmarks import projection, sync_cost
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("copy", "fresh copy", "flatten", "pseudo-gradient", "unflatten", "outer step", "fp4 deflate", "fp4 inflate")
+STAGES = (
+    "copy",
+    "fresh copy",
+    "flatten",
+    "pseudo-gradient",
+    "unflatten",
+    "outer step",
+    "verdict",
+    "fp4 deflate",
+    "fp4 inflate",
+)
 
 
 @pytest.fixture(scope="module")

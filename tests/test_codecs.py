@@ -16,6 +16,8 @@ every bound also allows the fp32 roundings of `x / s` and `q * s`, and |x| itsel
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 import torch
@@ -536,3 +538,77 @@ def test_sign_keeps_the_most_energy_a_sign_code_can() -> None:
 def test_sign_needs_whole_bytes_per_block() -> None:
     with pytest.raises(ValueError, match="compression_block_size must be a multiple of 8"):
         make_codec("sign", block_size=12)
+
+
+# ---------------------------------------------------------------- topk (chunk-wise top-k, 2-bit values)
+
+
+def _topk_reference_decode(payload: bytes, numel: int, k: int, scale_dtype: str) -> list[float]:
+    """Decoded values from the `topk` format definition, byte by byte: per 4096-value chunk, k 12-bit indices (two per
+    3 bytes), then k 2-bit codes (four per byte, bit 0 magnitude 1 / 0.5, bit 1 negative), then the scales."""
+    chunks = numel // 4096
+    index_bytes, code_bytes = k * 3 // 2, k // 4
+    decoded = [0.0] * numel
+    for chunk in range(chunks):
+        start = chunk * index_bytes
+        indices = []
+        for b0, b1, b2 in zip(*[iter(payload[start : start + index_bytes])] * 3):
+            indices += [b0 | (b1 & 0xF) << 8, b1 >> 4 | b2 << 4]
+        codes_at = chunks * index_bytes + chunk * code_bytes
+        codes = [byte >> shift & 3 for byte in payload[codes_at : codes_at + code_bytes] for shift in (0, 2, 4, 6)]
+        if scale_dtype == "fp32":
+            at = chunks * (index_bytes + code_bytes) + 4 * chunk
+            (scale,) = struct.unpack("<f", payload[at : at + 4])
+        else:
+            at = chunks * (index_bytes + code_bytes) + 2 * chunk
+            (scale,) = struct.unpack("<f", b"\0\0" + payload[at : at + 2])
+        assert indices == sorted(set(indices))  # ascending and distinct within the chunk
+        for index, code in zip(indices, codes):
+            decoded[chunk * 4096 + index] = (-1 if code & 2 else 1) * (1.0 if code & 1 else 0.5) * scale
+    return decoded
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_topk_sends_each_chunks_largest_values_and_decodes_as_its_definition(scale_dtype: str) -> None:
+    codec = make_codec("topk", scale_dtype=scale_dtype, density=0.03)
+    k = 124  # 0.03 x 4096 = 122.9, to a multiple of 4
+    assert codec.k == k and codec.encoded_nbytes(2 * 4096) == 2 * (
+        k * 3 // 2 + k // 4 + (4 if scale_dtype == "fp32" else 2)
+    )
+    x = torch.randn(2 * 4096, generator=torch.Generator().manual_seed(0))
+    x[5000] = 1e30  # an outlier sets its chunk's scale; the other chunk keeps its own
+    payload = codec.encode(x)
+    assert payload.numel() == codec.encoded_nbytes(x.numel())
+    reference = torch.tensor(_topk_reference_decode(bytes(payload.tolist()), x.numel(), k, scale_dtype))
+    decoded = codec.decode(payload, x.numel())
+    assert torch.equal(decoded, reference)
+    sent = decoded.view(2, -1) != 0
+    largest = torch.zeros_like(sent).scatter_(1, x.view(2, -1).abs().topk(k, dim=1).indices, True)
+    assert torch.equal(sent, largest)  # the k largest magnitudes of every chunk, nothing else
+    assert torch.equal(decoded.sign()[sent.view(-1)], x.sign()[sent.view(-1)])
+    # Each sent value is the nearer of scale/2 and scale (scale = the chunk's absmax, rounded up to bf16 there).
+    scales = x.view(2, -1).abs().amax(dim=1)
+    ratio = (decoded.view(2, -1).abs() / scales[:, None])[sent]
+    rounding = 2**-7 if scale_dtype == "bf16" else 0.0
+    assert ratio.max() <= 1.0 + rounding and ratio.min() >= 0.5
+    # decode_sum: zeros + each decoded payload in turn, bit for bit (different supports).
+    other = codec.encode(torch.randn(2 * 4096, generator=torch.Generator().manual_seed(1)))
+    total = torch.zeros(2 * 4096) + decoded + codec.decode(other, 2 * 4096)
+    assert torch.equal(codec.decode_sum([payload, other], 2 * 4096), total)
+
+
+def test_topk_zeros_decode_to_zeros_and_a_nan_shows() -> None:
+    codec = make_codec("topk")
+    x = torch.zeros(3 * 4096)
+    x[4096:8192] = torch.randn(4096, generator=torch.Generator().manual_seed(2))
+    x[10000] = float("nan")
+    decoded = codec.decode(codec.encode(x), x.numel())
+    assert torch.equal(decoded[:4096], torch.zeros(4096)) and not decoded[:4096].signbit().any()  # +0.0
+    assert int((decoded[4096:8192] != 0).sum()) == 64 and bool(decoded[8192:].isnan().any())
+
+
+def test_topk_density_is_checked() -> None:
+    for density in (0, 1.5, "1/64", True):
+        with pytest.raises(ValueError, match="topk_density"):
+            make_codec("topk", density=density)
+    assert make_codec("topk", density=1e-6).k == 4 and make_codec("topk", density=1.0).k == 4096

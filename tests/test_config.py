@@ -207,3 +207,16 @@ def test_short_run_warning_compares_rounds_with_momentum_memory(momentum, inner_
     assert (warning is not None) == warns
     if warns:
         assert f"outer_momentum={momentum:g}" in warning and f"only {total // inner_steps}" in warning
+
+
+def test_topk_needs_error_feedback_and_the_all_gather_pattern():
+    topk = {"compression": "topk", "error_feedback": True, "exchange_pattern": "all_gather"}
+    assert DiLoCoConfig(**topk, topk_density=0.03).fingerprint() != DiLoCoConfig(**topk).fingerprint()
+    for change, message in [
+        ({"error_feedback": False}, "needs error_feedback: true"),
+        ({"exchange_pattern": "reduce_scatter"}, "needs exchange_pattern: all_gather"),
+        ({"lowrank_rank": 2}, "cannot be combined with lowrank_rank"),
+        ({"topk_density": 0.0}, "topk_density must be a number in"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            DiLoCoConfig(**{**topk, **change})

@@ -18,6 +18,7 @@ from tests.engine_common import (
     ADAPTIVE_DENSE_SIGN,
     INNER_LR,
     SIGN_EF,
+    TOPK_EF,
     VOCAB,
     inner_step,
     reference_run,
@@ -370,7 +371,7 @@ def _books_after_close_cases(rank: int, world: int, cases: list[tuple]) -> list[
     return [_books_after_close(rank, world, *case) for case in cases]
 
 
-def _books_after_close(rank: int, world: int, overlap: str, steps: int) -> dict:
+def _books_after_close(rank: int, world: int, overlap: str, steps: int, codec: dict = SIGN_EF) -> dict:
     """Everything the workers trained vs where θg ends, with 1-bit error feedback and one quantization per round.
 
     With outer lr 1 and no momentum θg moves by exactly the averages it applies, so θg - mean over workers of the
@@ -378,7 +379,7 @@ def _books_after_close(rank: int, world: int, overlap: str, steps: int) -> dict:
     every pseudo-gradient they produced (each round's start - end, measured on the model here, not by the engine).
     """
     config = dict(
-        SIGN_EF, inner_steps=4, overlap=overlap, outer_lr=1.0, outer_momentum=0.0, exchange_pattern="all_gather"
+        codec, inner_steps=4, overlap=overlap, outer_lr=1.0, outer_momentum=0.0, exchange_pattern="all_gather"
     )
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
@@ -418,7 +419,9 @@ def test_close_keeps_every_error_feedback_residual():
     delayed/eager have two residuals unsent at close (the round before the last, and the last, known only after the
     drain); both must reach the tail or stay held.
     """
-    cases = [(overlap, steps) for overlap in ("streaming", "delayed", "eager") for steps in (12, 14)]
+    overlaps = ("streaming", "delayed", "eager")
+    cases = [(overlap, steps) for overlap in overlaps for steps in (12, 14)]
+    cases += [(overlap, 14, TOPK_EF) for overlap in overlaps]  # chunk-wise top-k: most of each round held back
     results = run_on_processes(_books_after_close_cases, 2, cases)
     for case, result in (pair for worker in results for pair in zip(cases, worker)):
         assert result["relative_error"] < 1e-5, (case, result)

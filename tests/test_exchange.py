@@ -13,7 +13,7 @@ import torch
 from hf_diloco import DiLoCo, DiLoCoConfig
 from hf_diloco.core import exchange as exchange_module
 from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import OuterExchange, OuterSyncError, deflate_payload, inflate_payload
+from hf_diloco.core.exchange import OuterExchange, OuterGroup, OuterSyncError, deflate_payload, inflate_payload
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_llama, tiny_model, train_engine
@@ -68,15 +68,25 @@ def test_quantized_average_and_bytes_on_the_wire(workers):
     assert results[0]["sign"][1] == 2 * (workers - 1) * (chunk // 8 + chunk // 64 * 4)
 
 
+# topk too: a chunk-wise top-k whose workers' supports differ, decoded and summed in fp32.
+GATHER_CODECS = [*CODECS, "topk"]
+
+
 def _exchange_all_gather(rank: int, world: int, numel: int) -> dict:
     topology = Topology.from_default_group()
     out = {}
-    for name in CODECS:
+    for name in GATHER_CODECS:
         for pattern in ("all_gather", "reduce_scatter"):
             exchange = OuterExchange(topology, make_codec(name, block_size=64), keep_residual=True, pattern=pattern)
             result = exchange.launch(_vector(rank, numel), f"test {name}").wait()
             out[name, pattern] = (result.average, result.residual, result.bytes_sent, exchange.wire_bytes(numel))
             exchange.close()
+    # Elastic membership: the last worker joined during the round and sends zeros; the average is over the others.
+    exchange = OuterExchange(topology, make_codec("topk"), keep_residual=True, pattern="all_gather")
+    joined = OuterGroup(torch.distributed.group.WORLD, rank, world, contributes=rank < world - 1)
+    result = exchange.launch(_vector(rank, numel), "test topk with a joining worker", outer=joined).wait()
+    out["joined"] = (result.average, result.contributors, result.bytes_sent, exchange.wire_bytes(numel))
+    exchange.close()
     return out
 
 
@@ -86,7 +96,7 @@ def test_all_gather_pattern_quantizes_each_contribution_once(workers):
     """Reference: each worker's padded vector encoded once, decoded by everyone, summed in worker order, / M."""
     numel = 1000
     results = run_on_processes(_exchange_all_gather, workers, numel)
-    for name in CODECS:
+    for name in GATHER_CODECS:
         codec = make_codec(name, block_size=64)
         padded_numel = -(-numel // (workers * codec.align)) * workers * codec.align
         decoded = []
@@ -108,6 +118,16 @@ def test_all_gather_pattern_quantizes_each_contribution_once(workers):
                 assert sent == reduce_scatter_bytes, name  # the same bytes for two workers
             else:
                 assert sent == reduce_scatter_bytes * workers // 2, name
+    codec = make_codec("topk")
+    padded_numel = -(-numel // (workers * codec.align)) * workers * codec.align
+    contributions = torch.zeros(padded_numel)
+    for rank in range(workers - 1):
+        padded = torch.zeros(padded_numel)
+        padded[:numel] = _vector(rank, numel)
+        contributions += codec.decode(codec.encode(padded), padded_numel)
+    for average, contributors, sent, bound in (result["joined"] for result in results):
+        assert contributors == workers - 1 and torch.equal(average, (contributions / (workers - 1))[:numel])
+        assert sent == bound + (workers - 1) * 8  # and the contributor count, one int64 all-reduced
 
 
 def _exchange_into_out(rank: int, world: int, numel: int) -> dict:

@@ -24,6 +24,7 @@ from tests.engine_common import (
     BATCH,
     INNER_LR,
     SIGN_EF,
+    TOPK_EF,
     VOCAB,
     batch_for,
     reference_run,
@@ -48,6 +49,7 @@ CASES = {
     "ddp streaming": ("ddp", dict(inner_steps=4, num_fragments=2, sync_delay=1), 13, {}),
     "ddp eager fitted": ("ddp", dict(inner_steps=4, overlap="eager", eager_estimate="fitted"), 13, {"tokens": 8}),
     "ddp sign": ("ddp", dict(inner_steps=4, num_fragments=2, **SIGN_EF), 12, {}),
+    "ddp topk": ("ddp", dict(inner_steps=4, num_fragments=2, **TOPK_EF), 12, {}),
     "ddp low rank": ("ddp", dict(inner_steps=4, lowrank_rank=2, error_feedback=True), 12, {}),
     "ddp adaptive": ("ddp", dict(inner_steps=4, **ADAPTIVE_DENSE_SIGN), 12, {}),
 }
@@ -196,7 +198,8 @@ def test_sharded_workers_equal_the_unsharded_reference(results, name):
 @pytest.mark.timeout(900)
 def test_every_rank_holds_half_the_outer_state_of_a_one_rank_worker(results):
     for result in results:
-        for name in CASES:
+        # topk pads each share to whole 4096-value chunks: on this tiny model the padding is most of a share.
+        for name in (name for name in CASES if name != "ddp topk"):
             alone, sharded = result["alone"][name], result["sharded"][name]["outer_state_bytes"]
             assert 0 < sharded <= 0.55 * alone, (name, sharded, alone)
 
@@ -204,7 +207,7 @@ def test_every_rank_holds_half_the_outer_state_of_a_one_rank_worker(results):
 @pytest.mark.timeout(900)
 def test_lossy_and_low_rank_modes_keep_workers_and_replicas_identical(results):
     """Invariant 1 in the modes the reference loop does not cover; FSDP's low rank equals DDP's."""
-    for name in ("fsdp low rank", "ddp sign", "ddp low rank", "ddp adaptive"):
+    for name in ("fsdp low rank", "ddp sign", "ddp topk", "ddp low rank", "ddp adaptive"):
         for rank in range(RANKS):
             first, second = results[rank]["sharded"][name], results[RANKS + rank]["sharded"][name]
             assert all(torch.equal(first["global"][p], second["global"][p]) for p in first["global"]), name

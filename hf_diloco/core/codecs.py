@@ -14,6 +14,7 @@ Wire format (native byte order, little-endian on every platform torch supports):
 | `fp8`         | float8 e4m3fn values in [-448, 448], then one scale per block           | `block_size` |
 | `fp4`         | 4-bit E3M0 codes, two per byte (element 2i low nibble), then the scales | `block_size` |
 | `sign`        | 1-bit signs, eight per byte (element 8i+j in bit j), then the scales    | `block_size` |
+| `topk`        | per 4096-value chunk k 12-bit indices and 2-bit codes, then the scales  | 4096         |
 
 Scales are fp32 (4 bytes) or bf16 (2 bytes, `scale_dtype="bf16"`). A decoded element is `q * scale` with `q` the
 dequantized code, computed as one fp32 multiply.
@@ -566,24 +567,142 @@ class SignCodec(BlockCodec):
         return torch.mul(negative, -2.0).add_(1.0)
 
 
+class TopKCodec(Codec):
+    """Chunk-wise top-k: in every flat chunk of `CHUNK` (4096) consecutive values, the `k` largest in magnitude, each
+    sent as a 12-bit index inside its chunk and a 2-bit code, with one scale per chunk; every other value is dropped.
+
+    `k = density x 4096`, rounded to a multiple of 4 (four codes per byte, two indices per 3 bytes), at least 4.
+    Payload: every chunk's indices (ascending within the chunk; index `a` then `b` packed into 3 bytes as
+    `a & 0xFF`, `a >> 8 | (b & 0xF) << 4`, `b >> 4`), then every chunk's codes (element 4i+j of a chunk's list in bits
+    2j, 2j+1 of byte i: bit 0 the magnitude, 1 for `scale` and 0 for `scale / 2`, bit 1 the sign, 1 negative), then
+    the scales (`scale = ` the absmax of the chunk, rounded up to `scale_dtype`). A magnitude is rounded to the nearer
+    of the two levels in linear space (the threshold `0.75 x scale`, a tie to the larger). Chunks are flat slices of
+    the vector (not 64 x 64 tiles of a matrix). What it drops is most of the energy, so it is meant for error
+    feedback and the `all_gather` pattern (every worker's payload decoded and summed: the supports differ, so a
+    re-encoded average would drop again, without feedback). A chunk of zeros has scale 0 and decodes to zeros; a
+    NaN makes its chunk's `k` values NaN.
+    """
+
+    name = "topk"
+    bits = 0  # under one bit per value: 12 + 2 bits for 1/64 of the values, and a scale, are 0.23 bits
+    nominal_error = 0.9
+    adaptive_step = False
+    CHUNK = 4096
+    LEVELS = (0.5, 1.0)
+
+    def __init__(self, density: float = 1 / 64, scale_dtype: str = "fp32") -> None:
+        check_topk_density(density)
+        self.density = density
+        self.k = topk_count(density)
+        self.align = self.CHUNK
+        self.scale_dtype = _SCALE_DTYPES[scale_dtype]
+        self.scale_nbytes = torch.finfo(self.scale_dtype).bits // 8
+        self.min_scale = 2.0**-125  # half of it is the smallest normal fp32
+        self.max_scale = _largest_scale(1.0, self.scale_dtype)
+
+    @classmethod
+    def build(cls, block_size: int, scale_dtype: str, density: float = 1 / 64) -> Codec:
+        return cls(density, scale_dtype)
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(density={self.density!r}, k={self.k}, scale_dtype={self.scale_dtype})"
+
+    def encoded_nbytes(self, numel: int) -> int:
+        self._check_numel(numel)
+        return numel // self.CHUNK * self._chunk_nbytes()
+
+    def _chunk_nbytes(self) -> int:
+        return self.k * 3 // 2 + self.k // 4 + self.scale_nbytes
+
+    def _sections(self, payload: torch.Tensor, numel: int, start: int, stop: int):
+        """The payload's index, code and scale bytes of the chunks of values [start, stop)."""
+        chunks, first, count = numel // self.CHUNK, start // self.CHUNK, (stop - start) // self.CHUNK
+        index_bytes, code_bytes = self.k * 3 // 2, self.k // 4
+        codes_at, scales_at = chunks * index_bytes, chunks * (index_bytes + code_bytes)
+        return (
+            payload[first * index_bytes : (first + count) * index_bytes],
+            payload[codes_at + first * code_bytes : codes_at + (first + count) * code_bytes],
+            payload[scales_at + first * self.scale_nbytes : scales_at + (first + count) * self.scale_nbytes],
+        )
+
+    def _encode_piece(self, values: torch.Tensor, start: int, stop: int, payload: torch.Tensor) -> None:
+        chunks = _flush_subnormals(values[start:stop]).view(-1, self.CHUNK)
+        magnitudes = chunks.abs()
+        index = magnitudes.topk(self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        picked = chunks.gather(1, index)
+        absmax = magnitudes.amax(dim=1)
+        scales = absmax.clamp(self.min_scale, self.max_scale)  # a NaN stays NaN: its chunk decodes to NaN
+        if self.scale_dtype == torch.bfloat16:
+            scales = _round_up_to_bf16(scales).clamp_(max=self.max_scale)
+        scales[absmax == 0] = 0.0  # a chunk of zeros (a joining worker's, say) adds exactly nothing
+        big = (picked.abs() >= 0.75 * scales[:, None]).to(torch.uint8)
+        codes = (big | (picked < 0).to(torch.uint8) << 1).view(-1, 4)
+        index_out, codes_out, scales_out = self._sections(payload, values.numel(), start, stop)
+        pairs = index.view(-1, 2).to(torch.int32)
+        low, high = pairs[:, 0], pairs[:, 1]
+        packed = torch.stack([low & 0xFF, (low >> 8) | ((high & 0xF) << 4), high >> 4], dim=1)
+        index_out.copy_(packed.to(torch.uint8).view(-1))
+        codes_out.copy_(codes[:, 0] | codes[:, 1] << 2 | codes[:, 2] << 4 | codes[:, 3] << 6)
+        scales_out.copy_(scales.to(self.scale_dtype).view(torch.uint8))
+
+    def _positions_and_values(
+        self, payload: torch.Tensor, numel: int, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sent values of [start, stop): their positions in that range (int64) and their fp32 values."""
+        index_bytes, code_bytes, scale_bytes = self._sections(payload, numel, start, stop)
+        triples = index_bytes.view(-1, 3).to(torch.int64)
+        low = triples[:, 0] | (triples[:, 1] & 0xF) << 8
+        high = triples[:, 1] >> 4 | triples[:, 2] << 4
+        index = torch.stack([low, high], dim=1).view(-1, self.k)
+        index += torch.arange(0, stop - start, self.CHUNK, dtype=torch.int64)[:, None]
+        codes = code_bytes.to(torch.int64)[:, None].bitwise_right_shift(torch.tensor([0, 2, 4, 6])).bitwise_and_(3)
+        levels = torch.tensor([0.5, 1.0, -0.5, -1.0], dtype=torch.float32)[codes.view(-1, self.k)]
+        scales = _reinterpret(scale_bytes, self.scale_dtype).to(torch.float32)
+        return index.view(-1), levels.mul_(scales[:, None]).view(-1)
+
+    def _decode_piece(
+        self, payload: torch.Tensor, numel: int, start: int, stop: int, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        out = torch.empty(stop - start, dtype=torch.float32) if out is None else out
+        index, values = self._positions_and_values(payload, numel, start, stop)
+        out.zero_().index_put_((index,), values)
+        return out
+
+    def _add_decoded_piece(self, part: torch.Tensor, payload: torch.Tensor, numel: int, start: int, stop: int) -> None:
+        # The positions are distinct, so this adds each sent value once and zero everywhere else, as the dense sum.
+        index, values = self._positions_and_values(payload, numel, start, stop)
+        part.index_put_((index,), values, accumulate=True)
+
+
+def topk_count(density: float) -> int:
+    """Values `topk` sends per 4096-value chunk at `density`: a multiple of 4, at least 4."""
+    return min(TopKCodec.CHUNK, max(4, round(density * TopKCodec.CHUNK / 4) * 4))
+
+
+def check_topk_density(density: float) -> None:
+    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+        raise ValueError(f"topk_density must be a number in (0, 1] (the share of values sent), got {density!r}.")
+
+
 # The registry every list of codecs derives from (the config's choices, bits per value, the adaptive ladder). Its
 # order is part of the wire format: an adaptive decision is broadcast as an index into `COMPRESSIONS`.
 CODECS: dict[str, type[Codec]] = {
-    codec.name: codec for codec in (Codec, BF16Codec, FP16Codec, Int8Codec, FP8Codec, FP4Codec, SignCodec)
+    codec.name: codec for codec in (Codec, BF16Codec, FP16Codec, Int8Codec, FP8Codec, FP4Codec, SignCodec, TopKCodec)
 }
 COMPRESSIONS = tuple(CODECS)
 CODEC_BITS = {name: codec.bits for name, codec in CODECS.items()}
 CODEC_ERROR = {name: codec.nominal_error for name, codec in CODECS.items()}
 
 
-def make_codec(name: str, block_size: int = 128, scale_dtype: str = "fp32") -> Codec:
+def make_codec(name: str, block_size: int = 128, scale_dtype: str = "fp32", density: float = 1 / 64) -> Codec:
     """Build the codec for `compression=name`.
 
     Args:
-        name (`str`): one of `COMPRESSIONS` (`none`, `bf16`, `fp16`, `int8`, `fp8`, `fp4`, `sign`).
+        name (`str`): one of `COMPRESSIONS` (`none`, `bf16`, `fp16`, `int8`, `fp8`, `fp4`, `sign`, `topk`).
         block_size (`int`): values per scale (`compression_block_size`); must be even for `fp4`, a multiple of 8
             for `sign`.
         scale_dtype (`str`): `fp32` or `bf16`, the dtype of the stored scales (`compression_scale_dtype`).
+        density (`float`): the share of values `topk` sends (`topk_density`); the other codecs ignore it.
 
     Raises:
         `ValueError` naming the offending field (`compression`, `compression_block_size`,
@@ -595,6 +714,8 @@ def make_codec(name: str, block_size: int = 128, scale_dtype: str = "fp32") -> C
         raise ValueError(f"compression_block_size must be a positive integer, got {block_size!r}.")
     if scale_dtype not in _SCALE_DTYPES:
         raise ValueError(f"compression_scale_dtype must be one of {', '.join(_SCALE_DTYPES)}; got {scale_dtype!r}.")
+    if name == TopKCodec.name:
+        return TopKCodec.build(block_size, scale_dtype, density)
     return CODECS[name].build(block_size, scale_dtype)
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from .codecs import COMPRESSIONS
+from .codecs import COMPRESSIONS, check_topk_density
 
 ENV_PREFIX = "DILOCO_"
 FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
@@ -67,6 +67,7 @@ class DiLoCoConfig:
         compression (`str`): codec for the exchanged pseudo-gradient.
         compression_block_size (`int`): elements per absmax scale block.
         compression_scale_dtype (`str`): dtype of the per-block scales.
+        topk_density (`float`): with `compression: topk`, the share of each 4096-value chunk sent (its largest).
         error_feedback (`bool`): add what quantization dropped to the next pseudo-gradient.
         entropy_coding (`bool`): deflate the encoded payload before it crosses workers (lossless, fewer bytes).
         exchange_pattern (`str`): `reduce_scatter` (quantize, average, requantize, all-gather) or `all_gather`
@@ -147,6 +148,13 @@ class DiLoCoConfig:
     compression_scale_dtype: str = field(
         default="fp32",
         metadata={"help": "dtype of the per-block scales.", "choices": list(SCALE_DTYPES)},
+    )
+    topk_density: float = field(
+        default=1 / 64,
+        metadata={
+            "help": "With compression topk: the share of values sent, the largest of every 4096-value chunk (rounded "
+            "to a multiple of 4 per chunk); needs error_feedback: true and exchange_pattern: all_gather."
+        },
     )
     error_feedback: bool = field(
         default=False, metadata={"help": "Carry the quantization residual into the next pseudo-gradient."}
@@ -259,6 +267,21 @@ class DiLoCoConfig:
     def __post_init__(self) -> None:
         self.validate_diloco()
 
+    def _check_topk(self) -> None:
+        """`topk` drops most of each pseudo-gradient: it needs the residual carried over, and one encode only."""
+        if not self.error_feedback:
+            raise ValueError(
+                "compression 'topk' needs error_feedback: true (the values it does not send are carried into the "
+                "next round instead of being lost)."
+            )
+        if self.exchange_pattern != "all_gather":
+            raise ValueError(
+                "compression 'topk' needs exchange_pattern: all_gather (reduce_scatter would sparsify the average "
+                "again, dropping values no worker keeps)."
+            )
+        if self.lowrank_rank or self.adaptive_compression:
+            raise ValueError("compression 'topk' cannot be combined with lowrank_rank or adaptive_compression.")
+
     def validate_diloco(self) -> None:
         """Raise `ValueError` naming the first invalid field."""
         _check_int("inner_steps", self.inner_steps, minimum=1)
@@ -327,6 +350,9 @@ class DiLoCoConfig:
             raise ValueError(
                 f"compression_block_size must be even (fp4 packs two values per byte), got {self.compression_block_size}."
             )
+        check_topk_density(self.topk_density)
+        if self.compression == "topk":
+            self._check_topk()
         if self.compression == "sign" and self.compression_block_size % 8:
             raise ValueError(
                 "compression_block_size must be a multiple of 8 with compression 'sign' (eight values per byte), "
@@ -372,6 +398,7 @@ class DiLoCoConfig:
             "divergence_factor": 100.0,
             "max_skipped_rounds": 3,
             "first_round_factor": 10.0,
+            "topk_density": 1 / 64,
         }
         shared = {k: v for k, v in self.shared_settings().items() if not (k in added_later and v == added_later[k])}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]

@@ -394,7 +394,9 @@ def _make_exchange(topology: Topology, config: DiLoCoConfig) -> OuterExchange:
     """The outer exchange, with the adaptive compression policy when `adaptive_compression` is on."""
     exchange = OuterExchange(
         topology,
-        make_codec(config.compression, config.compression_block_size, config.compression_scale_dtype),
+        make_codec(
+            config.compression, config.compression_block_size, config.compression_scale_dtype, config.topk_density
+        ),
         config.sync_timeout_seconds,
         keep_residual=config.error_feedback,
         clip_factor=config.robust_clip_factor,

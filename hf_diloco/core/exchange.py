@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .adaptive import CompressionPolicy, Observation
+from .buffers import BufferPool
 from .codecs import COMPRESSIONS, Codec, check_output_vector, coding_pool
 from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
@@ -207,6 +208,11 @@ class OuterExchange:
         self.inline_when_blocking = True
         self._worker: _SerialWorker | None = None
         self._coding_pool: ThreadPoolExecutor | None = None
+        # Payloads received and sent, and the fp32 sum of a `reduce_scatter` chunk: a few buffers of the longest kept
+        # between rounds (fresh pages cost several times the writes, `buffers.py`); the lock: an inline exchange and
+        # the background thread may take buffers at once.
+        self._scratch = BufferPool(limit=6, dtype=torch.uint8)
+        self._scratch_lock = threading.Lock()
         # Adaptive compression: the policy, how to build another codec by name, the link throughput (configured, or
         # measured by the previous exchange) and the log of choices.
         self.policy: CompressionPolicy | None = None
@@ -289,6 +295,19 @@ class OuterExchange:
 
     def _workers(self) -> int:
         return self.topology.num_workers
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` uninitialised bytes for an exchange's own use, reused once nothing refers to them any more."""
+        with self._scratch_lock:
+            return self._scratch.take(nbytes)
+
+    def send_buffer(self, outgoing: list[torch.Tensor]) -> torch.Tensor:
+        """The uint8 payloads one `all_to_all_single` sends, one after another: a single payload as it is."""
+        if len(outgoing) == 1:
+            return outgoing[0].contiguous()
+        send = self.scratch(sum(p.numel() for p in outgoing))
+        torch.cat(outgoing, out=send)
+        return send
 
     def granularity(self, codec: Codec | None = None, shards: int | None = None, workers: int | None = None) -> int:
         """What a vector split between `shards` ranks of the worker (all of them by default) is padded to a multiple
@@ -521,7 +540,8 @@ class _ExchangeJob:
         encoded = [codec.encode(chunk, pool) for chunk in chunks]
         residual = self._dropped(shard, encoded, codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all(encoded, codec.encoded_nbytes(chunk_numel))
-        average = codec.decode_sum(received, chunk_numel, pool).div_(divisor)
+        summed = self.exchange.scratch(4 * chunk_numel).view(torch.float32)
+        average = codec.decode_sum(received, chunk_numel, pool, summed).div_(divisor)
         # The all_gather of the averaged chunks, as an all_to_all that sends the same payload to every worker.
         gathered, sent_back = self._all_to_all(
             [codec.encode(average, pool)] * workers, codec.encoded_nbytes(chunk_numel)
@@ -569,12 +589,15 @@ class _ExchangeJob:
             incoming = torch.empty(len(sizes), dtype=torch.int64)
             dist.all_to_all_single(incoming, torch.tensor(sizes, dtype=torch.int64), group=outer.group)
             arriving, sent = incoming.tolist(), (outer.size - 1) * _LENGTH_BYTES
-        received = torch.empty(sum(arriving), dtype=torch.uint8)
-        dist.all_to_all_single(
-            received, torch.cat(payloads), output_split_sizes=arriving, input_split_sizes=sizes, group=outer.group
-        )
-        sent += sum(size for j, size in enumerate(sizes) if j != me)
+        # Nothing is sent to this worker itself: its own payload is used where it is, and what crosses workers
+        # travels through reused buffers instead of a fresh concatenation.
+        sizes, arriving = _without(sizes, me), _without(arriving, me)
+        received = self.exchange.scratch(sum(arriving))
+        send = self.exchange.send_buffer([p for j, p in enumerate(payloads) if j != me])
+        dist.all_to_all_single(received, send, output_split_sizes=arriving, input_split_sizes=sizes, group=outer.group)
+        sent += sum(sizes)
         parts = list(received.split(arriving))
+        parts[me] = payloads[me]
         if coding:
             parts = [inflate_payload(part, nbytes, worker, pool) for worker, part in enumerate(parts)]
         return parts, sent
@@ -583,9 +606,9 @@ class _ExchangeJob:
         topo = self.exchange.topology
         if topo.data_parallel_size == 1 or topo.data_parallel_sync_group is None:
             return shard, 0
-        parts = [torch.empty_like(shard) for _ in range(topo.data_parallel_size)]
-        dist.all_gather(parts, shard, group=topo.data_parallel_sync_group)
-        return torch.cat(parts), (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
+        gathered = torch.empty(topo.data_parallel_size * shard.numel(), dtype=shard.dtype)
+        dist.all_gather(list(gathered.chunk(topo.data_parallel_size)), shard, group=topo.data_parallel_sync_group)
+        return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
 
 
 _LENGTH_BYTES = 8  # one int64 payload length per peer and all_to_all, with entropy coding
@@ -653,6 +676,11 @@ def _inflate_piece(stream: memoryview, size: int) -> bytes | None:
     except zlib.error:
         return None
     return raw if len(raw) == size and inflater.eof and not inflater.unused_data else None
+
+
+def _without(sizes: list[int], me: int) -> list[int]:
+    """`sizes` with this worker's own entry 0 (nothing is sent to oneself)."""
+    return [0 if j == me else size for j, size in enumerate(sizes)]
 
 
 def _padded_length(numel: int, granularity: int) -> int:

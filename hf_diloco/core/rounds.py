@@ -23,6 +23,7 @@ whether theirs is finite and its largest absolute value (a maximum: exact in any
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -159,6 +160,19 @@ class DivergenceGuard:
         self.last_rejection = {int(k): (int(v[0]), str(v[1])) for k, v in state.get("last_rejection", {}).items()}
 
 
+def finite_and_scale(values: torch.Tensor) -> tuple[bool, float]:
+    """Whether every value is finite, and the largest absolute value (0.0 when some value is not, or there is none).
+
+    One pass and no temporary as long as the values: a NaN makes both extremes NaN, an inf shows in one of them, and
+    the largest absolute value is the larger of the maximum and minus the minimum.
+    """
+    if not values.numel():
+        return True, 0.0
+    low, high = (float(extreme) for extreme in torch.aminmax(values))
+    finite = math.isfinite(low) and math.isfinite(high)
+    return finite, max(high, -low) if finite else 0.0
+
+
 class RoundKeeper:
     """Completes the rounds of every fragment of one engine (see the module docstring).
 
@@ -256,10 +270,10 @@ class RoundKeeper:
         )
 
     def _verdict(self, average: torch.Tensor, theta_g: torch.Tensor) -> tuple[bool, float, float]:
-        """Whether the whole average is finite, its largest absolute value and θg's, over the worker's ranks."""
-        finite = bool(torch.isfinite(average).all())
-        scale = float(average.abs().max()) if finite and average.numel() else 0.0
-        theta_scale = float(theta_g.abs().max()) if theta_g.numel() else 0.0
+        """Whether the whole average is finite, its largest absolute value and θg's, over the worker's ranks (one
+        pass over each, no model-sized temporaries)."""
+        finite, scale = finite_and_scale(average)
+        theta_scale = finite_and_scale(theta_g)[1]
         nonfinite, scale, theta_scale = self.worker.max([0.0 if finite else 1.0, scale, theta_scale])
         return nonfinite == 0.0, scale, theta_scale
 
