@@ -25,6 +25,17 @@ from ..run_summary import run_summary
 logger = logging.getLogger(__name__)
 
 
+def check_one_process_per_site(config: DiLoCoConfig, processes: int) -> None:
+    """Refuse a launch of several processes under elastic membership (`config.lighthouse` set): each site is one."""
+    if config.lighthouse and processes > 1:
+        raise ValueError(
+            f"lighthouse is set ({config.lighthouse}) but this launch has {processes} processes: under elastic "
+            "membership each site is one process, launched on its own (`torchrun --nproc_per_node 1`, or plain "
+            "`python`/`hf-diloco pretrain`) with its own `site`; launch one per site, or unset lighthouse for a "
+            "fixed membership of these processes."
+        )
+
+
 def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
     """
     The `TorchftMembership` of this site when `config.lighthouse` is set, else `None` (a fixed membership).
@@ -34,14 +45,7 @@ def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
     """
     if not config.lighthouse:
         return None
-    processes = topology.num_workers * topology.layout.worker_size
-    if processes > 1:
-        raise ValueError(
-            f"lighthouse is set ({config.lighthouse}) but this launch has {processes} processes: under elastic "
-            "membership each site is one process, launched on its own (`torchrun --nproc_per_node 1`, or plain "
-            "`python`/`hf-diloco pretrain`) with its own `site`; launch one per site, or unset lighthouse for a "
-            "fixed membership of these processes."
-        )
+    check_one_process_per_site(config, topology.num_workers * topology.layout.worker_size)
     from ..core.torchft_membership import TorchftMembership
 
     return TorchftMembership(
