@@ -1,6 +1,6 @@
 """Elastic membership from the config alone: two sites, each one `DiLoCoTrainer` process given `lighthouse` and
 `site` in its `DiLoCoTrainingArguments`, against a real `torchft_lighthouse`: both finish with the same θg (bitwise),
-every exchange ran with both, and the start-up line says the run is elastic."""
+every exchange ran with both, the start-up line says the run is elastic and the card counts the exchanges."""
 
 from __future__ import annotations
 
@@ -51,3 +51,5 @@ def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_pa
         assert result["summary"]["exchanges"] == 2 and result["summary"]["fewest_workers"] == 2, result["summary"]
     for site in SITES:
         assert f"elastic, site {site}, min_workers 1" in logs[site], logs[site]
+    card = (tmp_path / "site-a" / "README.md").read_text()
+    assert "| Worker membership | elastic: 2 exchanges among 2 workers; 0 drop(s), 0 join(s)" in card, card

@@ -41,6 +41,7 @@ def main() -> None:
     model = tiny_llama(128, layers=1, max_positions=32, heads=2, kv_heads=2, seed=slot)
     trainer = DiLoCoTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
     trainer.train()
+    trainer.save_model()  # the global model and its card, in out/SITE
     engine = trainer.diloco
     result = {"global": engine.global_parameters(), "summary": engine.elastic.log.summary()}
     torch.save(result, out / f"{site}.pt")
