@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.dist_utils import free_port
@@ -20,7 +21,9 @@ LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 SITES = ["site-a", "site-b"]
 
 
-def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_path):
+def run_sites(tmp_path: Path, die_at: dict[str, int] | None = None) -> tuple[list[int], dict[str, str]]:
+    """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step); their exit codes and
+    logs."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -32,6 +35,7 @@ def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_pa
         time.sleep(1.0)
         for slot, site in enumerate(SITES):
             argv = [sys.executable, str(SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path)]
+            argv += [str((die_at or {})[site])] if site in (die_at or {}) else []
             log = (tmp_path / f"{site}.log").open("w")
             sites.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [process.wait(timeout=240) for process in sites]
@@ -40,7 +44,11 @@ def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_pa
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    logs = {site: (tmp_path / f"{site}.log").read_text() for site in SITES}
+    return codes, {site: (tmp_path / f"{site}.log").read_text() for site in SITES}
+
+
+def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_path):
+    codes, logs = run_sites(tmp_path)
     assert codes == [0, 0], logs
     a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
     assert a["global"].keys() == b["global"].keys()
@@ -53,3 +61,13 @@ def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_pa
         assert f"elastic, site {site}, min_workers 1" in logs[site], logs[site]
     card = (tmp_path / "site-a" / "README.md").read_text()
     assert "| Worker membership | elastic: 2 exchanges among 2 workers; 0 drop(s), 0 join(s)" in card, card
+
+
+@pytest.mark.slow
+def test_a_trainer_site_lost_mid_run_leaves_the_other_to_finish_alone(tmp_path):
+    codes, logs = run_sites(tmp_path, die_at={"site-b": 3})
+    assert codes == [0, 3], logs
+    summary = torch.load(tmp_path / "site-a.pt", weights_only=False)["summary"]
+    # The first exchange (step 2) ran with both; the second (step 4) among the survivor alone, after a drop.
+    assert summary["exchanges"] == 2 and summary["fewest_workers"] == 1 and summary["most_workers"] == 2, summary
+    assert summary["drops"] >= 1, summary

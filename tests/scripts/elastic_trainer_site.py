@@ -1,24 +1,37 @@
 """One elastic site for tests/test_elastic_sites.py: a DiLoCoTrainer of one process whose membership comes from its
 `DiLoCoTrainingArguments` alone (`lighthouse`, `site`, ...); it writes θg and the membership summary to OUT/SITE.pt.
 
-    python tests/scripts/elastic_trainer_site.py LIGHTHOUSE SITE SLOT OUT
+    python tests/scripts/elastic_trainer_site.py LIGHTHOUSE SITE SLOT OUT [DIE_AT_STEP]
+
+With DIE_AT_STEP the process dies (no clean-up, as a lost machine) at the end of that Trainer step.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import default_data_collator
+from transformers import TrainerCallback, default_data_collator
 
 from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.engine_common import cpu_trainer_args, tiny_llama
 
 
+class DieAtStep(TrainerCallback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os._exit(3)
+
+
 def main() -> None:
     lighthouse, site, slot, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+    callbacks = [DieAtStep(int(sys.argv[5]))] if len(sys.argv) > 5 else []
     args = DiLoCoTrainingArguments(
         **cpu_trainer_args(
             out / site,
@@ -39,7 +52,9 @@ def main() -> None:
     ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(slot))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     model = tiny_llama(128, layers=1, max_positions=32, heads=2, kv_heads=2, seed=slot)
-    trainer = DiLoCoTrainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator)
+    trainer = DiLoCoTrainer(
+        model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=callbacks
+    )
     trainer.train()
     trainer.save_model()  # the global model and its card, in out/SITE
     engine = trainer.diloco
