@@ -86,7 +86,11 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
         f"compression={config.compression}{' (adaptive)' if config.adaptive_compression else ''}"
     )
     rounds = f"{total_steps // config.inner_steps} outer round(s) in {total_steps} {steps_label}"
-    if workers == 1:
+    if engine.elastic is not None:
+        # The workers, and with them what one exchange sends, are the sites present at each exchange.
+        grid = f"elastic, site {config.site}, min_workers {config.min_workers}: one process per site"
+        traffic = f"each exchange among the sites present then, found by the Lighthouse at {config.lighthouse}"
+    elif workers == 1:
         traffic = "nothing crosses workers (one worker: launch several processes for several workers)"
     else:
         traffic = f"{_human_bytes(bytes_per_round(engine))} sent per rank per outer round"

@@ -44,7 +44,7 @@ SLOW_TESTS = {
     "test_plain_diloco_matches_reference",
     "test_all_gather_exchange_matches_reference_and_keeps_workers_identical",
 }
-ELASTIC_MODULES = {"test_elastic", "test_readme_elastic", "test_heal_trust"}
+ELASTIC_MODULES = {"test_elastic", "test_readme_elastic", "test_heal_trust", "test_elastic_sites"}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -107,15 +107,18 @@ class JobGlobalPoints:
 
 def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> None:
     """
-    What can be checked before any data, tokenizer or model is built: the processes form whole workers, and the
-    model has positions for `data.block_size` tokens (a new model's config is built here without its vocabulary,
-    which the tokenizer decides later).
+    What can be checked before any data, tokenizer or model is built: the processes form whole workers (one process
+    in all under elastic membership: each site is launched on its own), and the model has positions for
+    `data.block_size` tokens (a new model's config is built here without its vocabulary, which the tokenizer decides
+    later).
     """
     from ..core.topology import RankLayout
+    from ..integrations.engine_session import check_one_process_per_site
     from ..modeling import build_model_config, check_block_size
 
     if use_diloco:
         RankLayout(args.world_size, args.pipeline_stages, args.data_parallel_per_worker)
+        check_one_process_per_site(args.diloco_config(), args.world_size)
     check_block_size(_block_size(config), build_model_config(config.section("model"), vocab_size=0))
 
 

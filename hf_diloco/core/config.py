@@ -34,10 +34,20 @@ EAGER_ESTIMATES = ("own_share", "fitted")
 EXCHANGE_PATTERNS = ("reduce_scatter", "all_gather")
 SCALE_DTYPES = ("fp32", "bf16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+# Where the sites of an elastic job may differ (each names itself and its address): left out of the fingerprint.
+MEMBERSHIP_FIELDS = (
+    "lighthouse",
+    "site",
+    "site_host",
+    "min_workers",
+    "start_workers",
+    "min_workers_timeout",
+    "membership_sync_timeout",
+)
 
 
-# Settings each node may choose for itself (where theta_g lives, how long it waits for peers).
-LOCAL_ONLY_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds"})
+# Settings each node may choose for itself (where theta_g lives, how long it waits for peers, its site's membership).
+LOCAL_ONLY_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds", *MEMBERSHIP_FIELDS})
 
 
 @dataclass
@@ -264,6 +274,29 @@ class DiLoCoConfig:
         },
     )
 
+    # Elastic membership (torchft): with `lighthouse` set, every exchange runs among the sites present at that moment.
+    lighthouse: str = field(
+        default="",
+        metadata={
+            "help": "The torchft Lighthouse's address, http://host:port: run elastic, each site one process launched "
+            "on its own. Empty: a fixed membership (every process of the launch)."
+        },
+    )
+    site: str = field(default="", metadata={"help": "This site's name, unique in the elastic job (its replica id)."})
+    site_host: str = field(
+        default="",
+        metadata={"help": "The address the other sites reach this one at (empty: this machine's host name)."},
+    )
+    min_workers: int = field(default=1, metadata={"help": "Elastic: the fewest sites an exchange runs with."})
+    start_workers: int = field(default=1, metadata={"help": "Elastic: the sites the first exchange waits for."})
+    min_workers_timeout: float = field(
+        default=300.0, metadata={"help": "Elastic: seconds to wait for min_workers / start_workers sites."}
+    )
+    membership_sync_timeout: float = field(
+        default=60.0,
+        metadata={"help": "Elastic: seconds one exchange or heal may wait for a site before dropping it."},
+    )
+
     def __post_init__(self) -> None:
         self.validate_diloco()
 
@@ -376,6 +409,29 @@ class DiLoCoConfig:
             )
         if not str(self.global_copy_device):
             raise ValueError("global_copy_device must name a device, e.g. 'cpu'.")
+        self._validate_membership()
+
+    def _validate_membership(self) -> None:
+        for name in ("lighthouse", "site", "site_host"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {getattr(self, name)!r}.")
+        _check_int("min_workers", self.min_workers, minimum=1)
+        _check_int("start_workers", self.start_workers, minimum=1)
+        _check_float("min_workers_timeout", self.min_workers_timeout, low=0.0, low_open=True)
+        _check_float("membership_sync_timeout", self.membership_sync_timeout, low=0.0, low_open=True)
+        if not self.lighthouse:
+            if self.site:
+                raise ValueError(f"site ({self.site!r}) needs lighthouse: set the Lighthouse's address, or drop site.")
+            return
+        if not self.lighthouse.startswith(("http://", "https://")) or "://" == self.lighthouse[-3:]:
+            raise ValueError(
+                f"lighthouse must be the Lighthouse's address, http://host:port; got {self.lighthouse!r}."
+            )
+        if not self.site.strip():
+            raise ValueError(
+                f"site must name this site (unique in the job, e.g. its host name) when lighthouse is set "
+                f"({self.lighthouse})."
+            )
 
     def diloco_dict(self) -> dict[str, Any]:
         """The DiLoCo fields only (also on subclasses that add many more fields)."""

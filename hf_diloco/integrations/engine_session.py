@@ -12,6 +12,7 @@ copies theta_g into the model.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +24,40 @@ from ..monitoring import ComputeUtilization
 from ..run_summary import run_summary
 
 logger = logging.getLogger(__name__)
+
+
+def check_one_process_per_site(config: DiLoCoConfig, processes: int) -> None:
+    """Refuse a launch of several processes under elastic membership (`config.lighthouse` set): each site is one."""
+    if config.lighthouse and processes > 1:
+        raise ValueError(
+            f"lighthouse is set ({config.lighthouse}) but this launch has {processes} processes: under elastic "
+            "membership each site is one process, launched on its own (`torchrun --nproc_per_node 1`, or plain "
+            "`python`/`hf-diloco pretrain`) with its own `site`; launch one per site, or unset lighthouse for a "
+            "fixed membership of these processes."
+        )
+
+
+def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
+    """
+    The `TorchftMembership` of this site when `config.lighthouse` is set, else `None` (a fixed membership).
+
+    Under membership one launch is one site of one process: the sites find each other through the Lighthouse, not
+    through the launcher, so a launch of several processes is refused before anything connects.
+    """
+    if not config.lighthouse:
+        return None
+    check_one_process_per_site(config, topology.num_workers * topology.layout.worker_size)
+    from ..core.torchft_membership import TorchftMembership
+
+    return TorchftMembership(
+        config.lighthouse,
+        replica_id=config.site,
+        min_workers=config.min_workers,
+        start_workers=config.start_workers,
+        min_workers_timeout=config.min_workers_timeout,
+        sync_timeout=config.membership_sync_timeout,
+        host=config.site_host or None,
+    )
 
 
 class EngineSession:
@@ -65,6 +100,7 @@ class EngineSession:
             steps_label (`str`, *optional*): what the start-up line calls those steps.
             announce (`bool`, *optional*): whether this process speaks for the run (the main process).
         """
+        membership = membership_from_config(config, topology)
         engine = DiLoCo(
             model,
             inner_optimizer,
@@ -72,6 +108,7 @@ class EngineSession:
             topology=topology,
             num_blocks=num_blocks,
             extra_fingerprint=extra_fingerprint,
+            membership=membership,
         )
         if announce:
             logger.warning(run_summary(engine, total_steps, steps_label))

@@ -127,8 +127,12 @@ class GlobalModel:
         options = self.model_card_kwargs
         results, evaluated = self._card_results()
         tasks = _as_list(options.get("tasks"))
+        elastic = self.diloco.elastic if self.diloco is not None else None
+        membership = elastic.log.summary() if elastic is not None else None
+        num_workers = membership["most_workers"] if membership else topology.num_workers
         return {
-            "settings": {**self.args.diloco_dict(), "num_workers": topology.num_workers},
+            "settings": {**self.args.diloco_dict(), "num_workers": num_workers},
+            "membership": membership,
             "communication": {
                 "bytes_sent": stats.get("bytes_sent", 0),
                 "steps": self.diloco.inner_step if self.diloco is not None else 0,

@@ -1,0 +1,62 @@
+"""Elastic membership as `DiLoCoConfig` fields (`lighthouse`, `site`, ...): checked with clear messages, the same
+through every front-end's way of setting fields, out of the fingerprint, and a launch of several processes refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_diloco import DiLoCoConfig
+from hf_diloco.cli.pretrain_arguments import parse_command_line
+from hf_diloco.core.config import env_fields
+from hf_diloco.core.topology import RankLayout, Topology
+from hf_diloco.integrations.engine_session import check_one_process_per_site, membership_from_config
+
+ELASTIC = dict(lighthouse="http://10.0.0.5:29510", site="site-a")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(site="site-a"), "site ('site-a') needs lighthouse"),
+        (dict(lighthouse="10.0.0.5:29510", site="a"), "lighthouse must be the Lighthouse's address, http://host:port"),
+        (dict(lighthouse="http://", site="a"), "lighthouse must be the Lighthouse's address"),
+        (dict(lighthouse="http://10.0.0.5:29510"), "site must name this site"),
+        (dict(lighthouse="http://10.0.0.5:29510", site="  "), "site must name this site"),
+        (dict(ELASTIC, min_workers=0), "min_workers must be >= 1, got 0"),
+        (dict(ELASTIC, start_workers=0), "start_workers must be >= 1, got 0"),
+        (dict(ELASTIC, min_workers_timeout=0), "min_workers_timeout must be > 0.0"),
+        (dict(ELASTIC, membership_sync_timeout=float("nan")), "membership_sync_timeout must be a finite number"),
+        (dict(ELASTIC, site_host=5), "site_host must be a string"),
+    ],
+)
+def test_bad_membership_fields_are_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        DiLoCoConfig(**fields)
+
+
+def test_membership_stays_out_of_the_fingerprint_so_sites_may_differ():
+    fixed = DiLoCoConfig()
+    a = DiLoCoConfig(**ELASTIC, min_workers=2, min_workers_timeout=30.0)
+    b = DiLoCoConfig(lighthouse="http://lighthouse:1", site="site-b", site_host="10.0.0.7")
+    assert fixed.fingerprint() == a.fingerprint() == b.fingerprint()
+    assert membership_from_config(fixed, Topology.single_process()) is None
+
+
+def test_every_front_end_sets_membership_the_same_way():
+    flags = ["--use_cpu", "--lighthouse", "http://10.0.0.5:29510", "--site", "site-a", "--min_workers", "2"]
+    args = parse_command_line(flags, environ={}).args
+    assert (args.lighthouse, args.site, args.min_workers) == ("http://10.0.0.5:29510", "site-a", 2)
+    assert args.diloco_config().lighthouse == "http://10.0.0.5:29510"
+    variables = {"DILOCO_LIGHTHOUSE": "http://10.0.0.5:29510", "DILOCO_SITE": "site-b", "DILOCO_MIN_WORKERS": "2"}
+    assert env_fields(variables) == {"lighthouse": "http://10.0.0.5:29510", "site": "site-b", "min_workers": 2}
+    with pytest.raises(ValueError, match="site must name this site"):
+        parse_command_line(["--use_cpu", "--lighthouse", "http://10.0.0.5:29510"], environ={})
+
+
+def test_a_launch_of_several_processes_under_membership_is_refused_saying_what_to_do():
+    config = DiLoCoConfig(**ELASTIC)
+    with pytest.raises(ValueError, match=r"this launch has 2 processes.*torchrun --nproc_per_node 1"):
+        membership_from_config(config, Topology(RankLayout(2), 0, {}))
+    with pytest.raises(ValueError, match="launch one per site"):
+        check_one_process_per_site(config, 4)
+    check_one_process_per_site(DiLoCoConfig(), 4)  # a fixed membership of several processes is as before
