@@ -33,6 +33,7 @@ from ..global_points import check_ranks_agree, global_point_group, wait_for_all_
 from ..integrations.output_lock import hold_output_folder
 from ..job_config import LoadedConfig
 from ..run_summary import check_processes_joined
+from .auto_settings import AutoRequest, resolve_auto_values, say
 from .pretrain_arguments import parse_command_line, where_logs_go
 
 DEFAULT_BLOCK_SIZE = 256
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         if resume is not None:
             check_resumable(resume, args, use_diloco)
-        metrics = train_and_evaluate(config, args, resume, points)
+        metrics = train_and_evaluate(config, args, resume, points, command_line.auto)
         if metrics is not None and args.process_index == 0:
             print(json.dumps({"output_dir": args.output_dir, **metrics}, indent=2, default=str))
     points.wait("the end of the job")
@@ -122,7 +123,9 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
     check_block_size(_block_size(config), build_model_config(config.section("model"), vocab_size=0))
 
 
-def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, points: JobGlobalPoints):
+def train_and_evaluate(
+    config: LoadedConfig, args: Any, resume: str | None, points: JobGlobalPoints, auto: AutoRequest | None = None
+):
     """
     Build data, tokenizer and model, train, evaluate the final weights, save them with their card and metrics.
 
@@ -144,9 +147,6 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
     from ..trainer import DiLoCoTrainer
 
     tokenizer, blocks = build_datasets(config, args, points)
-    num_shards = args.world_size // (getattr(args, "pipeline_stages", 1) or 1)
-    check_enough_blocks(len(blocks["train"]), num_shards, args.per_device_train_batch_size)
-    check_enough_blocks(len(blocks["validation"]), 1, 1, split="validation")
     model = build_model(
         config.section("model"),
         len(tokenizer),
@@ -155,6 +155,13 @@ def train_and_evaluate(config: LoadedConfig, args: Any, resume: str | None, poin
         tokenizer.pad_token_id,
         seed=args.seed,
     )
+    # `auto` values need the model's parameter count; the batch they give is checked against the data below.
+    lines = resolve_auto_values(auto, args, model, _block_size(config), config.trainer) if auto else []
+    if args.process_index == 0:
+        say(lines)
+    num_shards = args.world_size // (getattr(args, "pipeline_stages", 1) or 1)
+    check_enough_blocks(len(blocks["train"]), num_shards, args.per_device_train_batch_size)
+    check_enough_blocks(len(blocks["validation"]), 1, 1, split="validation")
     set_model_max_length(tokenizer, model.config)
     trainer = build_trainer(config, args, model, tokenizer, blocks)
     # Ranks without a shared disk each build their tokenizer and data: they must have built the same ones.

@@ -25,6 +25,7 @@ import yaml
 
 from ..core.config import ENV_PREFIX, DiLoCoConfig, diloco_field_names
 from ..job_config import TRAINERS, LoadedConfig, apply_overrides, parse_bool_option, read_config
+from .auto_settings import AutoRequest, refuse_auto_for, take_auto_values
 
 DEFAULT_CONFIG = "tiny_diloco"
 # The full help, with every TrainingArguments field (`--help` alone is quick; see `short_help`).
@@ -72,6 +73,7 @@ class PretrainCommandLine:
     config: LoadedConfig
     args: Any  # DiLoCoTrainingArguments, or BaselineTrainingArguments with trainer: ddp
     auto_resume: bool
+    auto: AutoRequest = dataclasses.field(default_factory=lambda: AutoRequest({}))  # keys set to `auto`
 
 
 def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> PretrainCommandLine:
@@ -99,6 +101,9 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
     argv = ["--help" if token == HELP_ALL else token for token in argv]
     config = read_config(known.config)
     trainer = known.trainer or config.trainer
+    config, argv, environ, auto = take_auto_values(config, argv, environ)
+    if auto and trainer != "diloco":
+        refuse_auto_for(trainer, auto)
     argv, model_config = _split_model_config_flags(argv)
     parser = build_parser(config, trainer, environ)
     namespace = vars(parser.parse_args(argv))
@@ -110,7 +115,7 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
     if trainer == "diloco":
         check_diloco_values(namespace, *diloco_defaults(config, trainer, environ))
     (arguments_class,) = parser.dataclass_types
-    return PretrainCommandLine(config, arguments_class(**namespace), config.auto_resume)
+    return PretrainCommandLine(config, arguments_class(**namespace), config.auto_resume, auto)
 
 
 def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] | None = None):
