@@ -168,7 +168,7 @@ class DiLoCoPlugin(DiLoCoSettings):
         self._accelerator = accelerator
         prepared_model = prepare_worker_model(accelerator, model, topology)
         prepared_optimizer = accelerator.prepare_optimizer(optimizer)
-        with _seedable_shuffling(accelerator, others):
+        with _seedable_shuffling(accelerator, others, topology.control_group):
             prepared_others = accelerator.prepare(*others) if others else ()
         prepared_others = prepared_others if isinstance(prepared_others, tuple) else (prepared_others,)
         for obj in prepared_others:
@@ -278,13 +278,14 @@ def _planned_steps(max_steps: int | None, accelerator: Any, prepared: tuple) -> 
 
 
 @contextlib.contextmanager
-def _seedable_shuffling(accelerator: Any, objects: tuple) -> Iterator[None]:
+def _seedable_shuffling(accelerator: Any, objects: tuple, group: Any) -> Iterator[None]:
     """
     While `objects` are prepared: the seedable sampler for shuffled dataloaders, seeded alike on every process.
 
     Without it Accelerate would broadcast the sampler's random state across all processes at every epoch, a
-    collective across workers. The seed is rank 0's (one broadcast at start-up), so processes seeded differently
-    still shuffle alike and read disjoint shards.
+    collective across workers. The seed is rank 0's (one broadcast at start-up, on `group`: the topology's gloo
+    control group of every rank, bounded by `sync_timeout_seconds`, so no communicator of the accelerator's backend
+    spans the workers), so processes seeded differently still shuffle alike and read disjoint shards.
     """
     config = accelerator.dataloader_config
     shuffled = any(isinstance(getattr(obj, "sampler", None), torch.utils.data.RandomSampler) for obj in objects)
@@ -294,17 +295,17 @@ def _seedable_shuffling(accelerator: Any, objects: tuple) -> Iterator[None]:
     saved = config.use_seedable_sampler, config.data_seed
     config.use_seedable_sampler = True
     if config.data_seed is None:
-        config.data_seed = _seed_of_rank_zero(accelerator)
+        config.data_seed = _seed_of_rank_zero(group)
     try:
         yield
     finally:
         config.use_seedable_sampler, config.data_seed = saved
 
 
-def _seed_of_rank_zero(accelerator: Any) -> int:
-    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64, device=accelerator.device)
-    if accelerator.num_processes > 1:
-        torch.distributed.broadcast(seed, src=0)
+def _seed_of_rank_zero(group: Any) -> int:
+    seed = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)  # on the host: the group is gloo
+    if group is not None:
+        torch.distributed.broadcast(seed, src=torch.distributed.get_global_rank(group, 0), group=group)
     return int(seed.item())
 
 

@@ -29,11 +29,26 @@ def prepare_shuffled(dataloader_config: DataLoaderConfiguration) -> str | None:
     loader = DataLoader(random_token_rows(8), batch_size=2, shuffle=True)
     accelerator = Accelerator(cpu=True, dataloader_config=dataloader_config)
     configured = dataloader_config.use_seedable_sampler
+    # Every broadcast prepare makes (the shuffling seed) must run on a gloo group of ours, never the default group
+    # (on GPUs an NCCL communicator across the workers).
+    groups, broadcast = [], torch.distributed.broadcast
+
+    def recorded(tensor, src=None, group=None, **kwargs):
+        groups.append(group)
+        return broadcast(tensor, src, group=group, **kwargs)
+
+    torch.distributed.broadcast = recorded
     try:
         plugin = DiLoCoPlugin(environ={})
         _, _, prepared = plugin.prepare(accelerator, model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
     except ValueError as error:
         return str(error)
+    finally:
+        torch.distributed.broadcast = broadcast
+    if any(group is None or group is torch.distributed.group.WORLD for group in groups):
+        return "prepare broadcast on the default group"
+    if not configured and not groups:
+        return "the shuffling seed was not broadcast"
     if prepared.rng_types:
         return f"the prepared loader synchronizes {prepared.rng_types} at every epoch"
     if accelerator.dataloader_config.use_seedable_sampler != configured:
