@@ -263,6 +263,7 @@ class _CollectiveRecorder:
     def __init__(self):
         self.phase: str = "setup"
         self.calls: list[tuple[str, str, tuple[int, ...]]] = []
+        self.default_group: list[tuple[str, str]] = []  # (phase, op) of the calls on the default group
         for name in self.OPS:
             original = getattr(dist.distributed_c10d, name)
             wrapped = self._wrap(name, original)
@@ -281,6 +282,8 @@ class _CollectiveRecorder:
                 else tuple(range(dist.get_world_size()))
             )
             self.calls.append((self.phase, name, ranks))
+            if group is None or group is dist.group.WORLD:
+                self.default_group.append((self.phase, name))
             return original(*args, **kwargs)
 
         return record
@@ -341,7 +344,11 @@ def _diloco_runs(rank: int, world: int, out_dir: str) -> dict:
     calls = list(recorder.calls)
     recorder.phase = "final_save"
     blocking.save_model(str(out / "final"))
-    results = {"calls": calls, "blocking": _record(blocking)}
+    recorder.phase = "evaluate"  # the evaluation data sharded over both workers: its gathers cross them
+    evaluation = blocking.evaluate(eval_dataset=_dataset())
+    evaluated = [(op, ranks) for phase, op, ranks in recorder.calls if phase == "evaluate"]
+    results = {"calls": calls, "blocking": _record(blocking), "evaluated": evaluated, "eval": evaluation}
+    results["default_group"] = list(recorder.default_group)
     resumed = _run(out / "blocking_resumed", recorder, resume=out / "blocking" / f"checkpoint-{MID_ROUND_CHECKPOINT}")
     results["blocking_resumed"] = _record(resumed)
     # Two fragments with one step of delay: at step 6 fragment 0 has just been launched and is still in flight.
@@ -389,6 +396,18 @@ def test_no_collective_crosses_workers_between_syncs(diloco_runs):
         # the ranks' settings with one all-gather, the engine's (it covers the trainer's).
         gathers = [op for phase, op, ranks in result["calls"] if phase == "setup" and op.startswith("all_gather")]
         assert gathers == ["all_gather"] * 3, gathers
+
+
+@pytest.mark.timeout(600)
+def test_no_front_end_collective_runs_on_the_default_group(diloco_runs):
+    """Across workers only the engine's and the front-end's own gloo groups (bounded by sync_timeout_seconds) carry
+    collectives, never the default group, which on GPUs is an NCCL communicator across sites. The evaluation's
+    gathers cross the workers (its data is sharded over both) and so run on the global points' gloo group."""
+    _, results = diloco_runs
+    for result in results:
+        assert result["default_group"] == [], result["default_group"]
+        assert any(op.startswith("all_gather") and len(ranks) == 2 for op, ranks in result["evaluated"])
+    assert results[0]["eval"]["eval_loss"] == results[1]["eval"]["eval_loss"]
 
 
 @pytest.mark.timeout(600)

@@ -44,14 +44,14 @@ class GlobalModel:
         return self.diloco.global_weights()
 
     def evaluate(self, *args, **kwargs) -> dict[str, float]:
-        with self._global_weights():
+        with self._global_weights(), self._gathers_on_global_points():
             metrics = super().evaluate(*args, **kwargs)
         if self._model_is_global:
             self._final_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
         return metrics
 
     def predict(self, *args, **kwargs):
-        with self._global_weights():
+        with self._global_weights(), self._gathers_on_global_points():
             return super().predict(*args, **kwargs)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

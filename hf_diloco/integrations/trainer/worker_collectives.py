@@ -15,6 +15,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import accelerate.accelerator
 import torch
 import torch.distributed as dist
 from accelerate.utils import recursively_apply
@@ -53,6 +54,33 @@ class WorkerCollectives:
             yield
         finally:
             del accelerator.gather, accelerator.gather_for_metrics
+
+    @contextlib.contextmanager
+    def _gathers_on_global_points(self) -> Iterator[None]:
+        """
+        `evaluate` / `predict`: the evaluation loop gathers over every rank (the evaluation data is sharded over all
+        of them). Inside, those gathers and the padding that precedes them run on the gloo group of the global
+        points, bounded by `sync_timeout_seconds`, instead of the accelerator's default group: on GPUs that is an
+        NCCL communicator across the workers, which cannot reach across sites (invariant 4 of docs/design.md).
+        """
+        group, accelerator = self._global_points, self.accelerator
+        if group is None or "pad_across_processes" in vars(accelerator):  # one process, or already routed
+            yield
+            return
+        saved_gather_function, saved_gather_object = self.gather_function, accelerate.accelerator.gather_object
+        accelerator.gather = functools.partial(gather_on, group)
+        accelerator.pad_across_processes = functools.partial(pad_across_on, group)
+        accelerate.accelerator.gather_object = functools.partial(gather_objects_on, group)
+        # The Trainer captured the accelerator's bound method at construction; this one reads the routed `gather`.
+        self.gather_function = functools.partial(
+            type(accelerator).gather_for_metrics, accelerator, use_gather_object=self.args.eval_use_gather_object
+        )
+        try:
+            yield
+        finally:
+            del accelerator.gather, accelerator.pad_across_processes
+            accelerate.accelerator.gather_object = saved_gather_object
+            self.gather_function = saved_gather_function
 
     def _worker_gather(self, data: Any) -> Any:
         return recursively_apply(self._worker_gather_tensor, data, error_on_other_type=True)
@@ -162,3 +190,46 @@ def _only_tensors(data: Any) -> bool:
     except TypeError:
         return False
     return True
+
+
+def gather_on(group: dist.ProcessGroup, data: Any) -> Any:
+    """`accelerator.gather` over the gloo `group`: each tensor through the host, back on its own device."""
+
+    def gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        host = (tensor.reshape(1) if tensor.dim() == 0 else tensor).detach().to("cpu").contiguous()
+        parts = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, host, group=group)
+        return torch.cat(parts).to(tensor.device)
+
+    return recursively_apply(gather_tensor, data, error_on_other_type=True)
+
+
+def gather_objects_on(group: dist.ProcessGroup, value: Any) -> list:
+    """`accelerate.utils.gather_object` over `group`: every rank's values, lists concatenated."""
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, value, group=group)
+    return [item for part in parts for item in (part if isinstance(part, list) else [part])]
+
+
+def pad_across_on(group: dist.ProcessGroup, data: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False):
+    """`accelerator.pad_across_processes` over `group`: each tensor padded along `dim` to the longest of the ranks."""
+
+    def pad(tensor: torch.Tensor) -> torch.Tensor:
+        if dim >= tensor.dim():
+            return tensor
+        length = torch.tensor([tensor.shape[dim]], dtype=torch.int64)
+        lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(lengths, length, group=group)
+        longest = int(max(lengths))
+        if longest == tensor.shape[dim]:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = longest
+        padded = tensor.new_full(shape, pad_index)
+        where = [slice(None)] * tensor.dim()
+        start = longest - tensor.shape[dim] if pad_first else 0
+        where[dim] = slice(start, start + tensor.shape[dim])
+        padded[tuple(where)] = tensor
+        return padded
+
+    return recursively_apply(pad, data, error_on_other_type=True)
