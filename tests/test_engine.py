@@ -507,3 +507,31 @@ def test_a_step_the_scaler_skipped_still_advances_the_schedule():
     session.close()
     assert session.engine.stats["outer_steps"] == 2  # both rounds of H = 2 launched, none left for a tail
     assert session.engine.stats["final_syncs"] == 0
+
+
+def _skip_one_step_on_rank_one(rank: int, world: int) -> dict:
+    from hf_diloco.integrations.engine_session import EngineSession
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    config = DiLoCoConfig(inner_steps=4, num_fragments=2, sync_delay=1, sync_timeout_seconds=30)
+    session = EngineSession(DiLoCo(model, optimizer, config))
+    for step in range(1, 9):
+        session.step_begin()
+        skipped = rank == 1 and step == 3  # this worker's scaler found an overflow: no update, the step still counts
+        if not skipped:
+            inner_step(model, optimizer, rank, step)
+        session.step_end(skipped=skipped)
+    session.close()
+    return {"global": session.engine.global_parameters(), "outer_steps": session.engine.stats["outer_steps"]}
+
+
+@pytest.mark.timeout(120)
+def test_workers_whose_scalers_skip_different_steps_stay_bitwise_in_step():
+    """Two real workers, streaming with a delay; worker 1 skips step 3: both launch and apply every fragment at the
+    same steps and end with the same theta_g, bit for bit (counting only applied steps would desynchronise them)."""
+    first, second = run_on_processes(_skip_one_step_on_rank_one, 2, timeout_seconds=90)
+    assert first["outer_steps"] == second["outer_steps"] == 4  # 2 fragments, a launch every 2 steps
+    for name, value in first["global"].items():
+        assert torch.equal(value, second["global"][name]), name
