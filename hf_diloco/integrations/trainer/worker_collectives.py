@@ -44,16 +44,23 @@ class WorkerCollectives:
     def _gathers_within_worker(self) -> Iterator[None]:
         # The Trainer's per-step counts (and a subclass's per-step metrics, e.g. TRL's token accuracy) call
         # `accelerator.gather` / `gather_for_metrics` over the world; route them to the worker's group.
+        # Inside an evaluation (whose own gathers run on the global points' group) the per-batch token count still
+        # belongs to the worker: the routing of the evaluation is put back afterwards.
         accelerator = self.accelerator
-        if "gather" in vars(accelerator):  # already routed by an enclosing call
+        if getattr(accelerator.gather, "__func__", None) is WorkerCollectives._worker_gather:  # an enclosing call
             yield
             return
+        saved = {
+            name: vars(accelerator)[name] for name in ("gather", "gather_for_metrics") if name in vars(accelerator)
+        }
         accelerator.gather = self._worker_gather
         accelerator.gather_for_metrics = self._worker_gather_for_metrics
         try:
             yield
         finally:
             del accelerator.gather, accelerator.gather_for_metrics
+            for name, value in saved.items():
+                setattr(accelerator, name, value)
 
     @contextlib.contextmanager
     def _gathers_on_global_points(self) -> Iterator[None]:
