@@ -195,7 +195,7 @@ def train_and_evaluate(
     eval_metrics = trainer.evaluate()
     eval_metrics.setdefault("eval_perplexity", math.exp(min(eval_metrics["eval_loss"], 50.0)))
     if args.process_index == 0:
-        _say_which_evaluation_is_final(trainer.state, eval_metrics["eval_loss"])
+        _say_which_evaluation_is_final(during, trainer.state.global_step, eval_metrics["eval_loss"])
     warning = never_improved(during, eval_metrics["eval_loss"])
     if warning is not None and args.process_index == 0:
         print(f"Warning: {warning} (in {args.output_dir})", file=sys.stderr)
@@ -374,15 +374,14 @@ def say_run_finished(args: Any, checkpoint: str) -> None:
     )
 
 
-def _say_which_evaluation_is_final(state: Any, final_loss: float) -> None:
-    """An evaluation logged at the last step was taken before `close()` applied the last outer sync: say that the
-    final model's (in all_results.json and the card) is the other one."""
-    during = [entry for entry in state.log_history if "eval_loss" in entry and entry.get("step") == state.global_step]
-    if during and during[-1]["eval_loss"] != final_loss:
+def _say_which_evaluation_is_final(during: list[tuple[Any, float]], last_step: int, final_loss: float) -> None:
+    """An evaluation logged during training (`during`: (step, eval_loss)) at the last step was taken before `close()`
+    applied the last outer sync: say that the final model's (in all_results.json and the card) is the other one."""
+    at_the_end = [loss for step, loss in during if step == last_step]
+    if at_the_end and at_the_end[-1] != final_loss:
         print(
             f"Final model: eval_loss {final_loss:.4f} (all_results.json, the card), after the last outer sync; the "
-            f"evaluation logged at step {state.global_step} during training ({during[-1]['eval_loss']:.4f}) came "
-            "before it.",
+            f"evaluation logged at step {last_step} during training ({at_the_end[-1]:.4f}) came before it.",
             file=sys.stderr,
         )
 
