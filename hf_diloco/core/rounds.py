@@ -76,6 +76,11 @@ class DivergenceGuard:
     last_rejection: dict[int, tuple[int, str]] = field(default_factory=dict, compare=False)
     warned_growth: set[int] = field(default_factory=set, compare=False)
 
+    def bounds_by_theta_scale(self, fragment: int) -> bool:
+        """Whether `judge` needs θg's scale for `fragment`: a round without a history under `absolute_factor` (the
+        same answer on every rank, so the verdict's collective keeps its shape)."""
+        return bool(self.absolute_factor) and not self.scales.get(fragment)
+
     def judge(self, fragment: int, finite: bool, scale: float, theta_scale: float = 0.0) -> tuple[str | None, str]:
         """(`None`, "") to apply an average (`finite`, largest absolute value `scale`), else (`"nonfinite"` or
         `"divergent"`, why). `theta_scale`: θg's own largest absolute value, the bound of a round without a history
@@ -249,7 +254,10 @@ class RoundKeeper:
             self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]
         self.stats.clipped_contributions += int(result.clipped)
         average = result.average.to(fragment.device)
-        finite, scale, theta_scale = self._verdict(average, fragment.theta_g)
+        # θg is read for its scale only where the bound uses it: one pass over θg per sync saved once rounds have a
+        # history.
+        theta_g = fragment.theta_g if self.guard.bounds_by_theta_scale(fragment.index) else None
+        finite, scale, theta_scale = self._verdict(average, theta_g)
         rejected, why = self.guard.judge(fragment.index, finite, scale, theta_scale)
         if rejected is None:
             if not final:
@@ -269,11 +277,11 @@ class RoundKeeper:
             workers=self.workers,
         )
 
-    def _verdict(self, average: torch.Tensor, theta_g: torch.Tensor) -> tuple[bool, float, float]:
-        """Whether the whole average is finite, its largest absolute value and θg's, over the worker's ranks (one
-        pass over each, no model-sized temporaries)."""
+    def _verdict(self, average: torch.Tensor, theta_g: torch.Tensor | None) -> tuple[bool, float, float]:
+        """Whether the whole average is finite, its largest absolute value and θg's (0.0 without `theta_g`), over the
+        worker's ranks (one pass over each, no model-sized temporaries)."""
         finite, scale = finite_and_scale(average)
-        theta_scale = finite_and_scale(theta_g)[1]
+        theta_scale = finite_and_scale(theta_g)[1] if theta_g is not None else 0.0
         nonfinite, scale, theta_scale = self.worker.max([0.0 if finite else 1.0, scale, theta_scale])
         return nonfinite == 0.0, scale, theta_scale
 
