@@ -43,6 +43,9 @@ SLOW_TESTS = {
     "test_streaming_matches_reference",
     "test_plain_diloco_matches_reference",
     "test_all_gather_exchange_matches_reference_and_keeps_workers_identical",
+    # `round_policy: balanced` through the Trainer and the plugin on 2 processes (the engine's tests stay fast).
+    "test_the_trainer_counts_the_runs_position_and_resumes_a_balanced_run_bitwise",
+    "test_a_plugin_loop_ends_at_a_round_and_resumes_from_a_round_bitwise",
 }
 ELASTIC_MODULES = {"test_elastic", "test_readme_elastic", "test_heal_trust", "test_elastic_sites"}
 

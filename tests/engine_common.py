@@ -294,3 +294,17 @@ def assert_resumed_bitwise(full: dict, resumed: dict, checkpoint_step: int, step
     ran = {step: loss for step, loss in resumed["losses"].items() if step > checkpoint_step}
     assert ran == {step: loss for step, loss in full["losses"].items() if step > checkpoint_step}
     assert len(ran) == steps - checkpoint_step
+
+
+PACED_STEP_SECONDS = 0.04
+
+
+def pace(began: float, slowed: bool) -> float:
+    """Sleep until the step that began at `began` (a `time.perf_counter()`) has lasted PACED_STEP_SECONDS, twice that
+    when `slowed`: steps of a fixed length whatever the machine's load (the tiny model's step is far shorter), so a
+    slowed worker runs at exactly half speed. Returns the time it ends (the next step's beginning)."""
+    import time
+
+    target = PACED_STEP_SECONDS * (2 if slowed else 1)
+    time.sleep(max(0.0, target - (time.perf_counter() - began)))
+    return time.perf_counter()

@@ -182,10 +182,12 @@ def one_process(tmp_path_factory):
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
     """2 workers, 2 fragments with one step of delay (tau > 0: `close()` changes theta_g after the last evaluation
-    during training), with command-line overrides of the training, DiLoCo and config sections."""
+    during training), with command-line overrides of the training, DiLoCo and config sections; rounds by speed
+    (`round_policy: balanced`, whose plan here stays H = 4: P (tau + 1) = 4 is the shortest round)."""
     out = tmp_path_factory.mktemp("pretrain_2")
     output_dir = out / "out2"
     overrides = ["--use_cpu", "--num_fragments", "2", "--sync_delay", "1", "--data.block_size", "32"]
+    overrides += ["--round_policy", "balanced"]
     # DILOCO_* variables sit between the command line and the config's diloco: section.
     variables = {"DILOCO_NUM_FRAGMENTS": "4", "DILOCO_OUTER_LR": "0.25"}
     result = _run(
@@ -243,6 +245,9 @@ def test_pretrain_two_processes_and_command_line_overrides(two_processes):
     args = torch.load(output_dir / "training_args.bin", weights_only=False)
     # --num_fragments over DILOCO_NUM_FRAGMENTS; DILOCO_OUTER_LR over the config's 0.5; the config's momentum.
     assert (args.num_fragments, args.outer_lr, args.outer_momentum) == (2, 0.25, 0.5)
+    assert args.round_policy == "balanced"
+    steps = json.loads((output_dir / f"checkpoint-{STEPS}" / "diloco_worker_steps.json").read_text())
+    assert steps == {"inner_steps_per_worker": [STEPS, STEPS]}
     # Progress bars on the main process only: one tokenization bar per split, not one per split and rank.
     assert result.stderr.count("Tokenizing:   0%") == 2
 

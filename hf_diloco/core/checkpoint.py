@@ -48,6 +48,7 @@ def engine_state(engine: DiLoCo) -> dict:
             "bytes_sent_intra_worker": result.bytes_sent_intra_worker,
             "sent": flight.sent.clone() if engine.overlap.saves_sent else None,  # may be a view of a longer buffer
             "estimate_weights": flight.weights,
+            **({"scale": flight.scale} if flight.scale != 1.0 else {}),  # `round_policy: balanced` only
         }
     fragments = engine.fragments
     trajectories = [f.trajectory for f in fragments if f.trajectory is not None]
@@ -67,6 +68,7 @@ def engine_state(engine: DiLoCo) -> dict:
         "lowrank": [f.compressor.state_dict() for f in fragments] if engine.config.lowrank_rank else None,
         "divergence_guard": engine.guard.state_dict(),
         "shard": shard_description(engine),
+        **({"round_policy": engine.round_policy.state_dict()} if engine.round_policy.balanced else {}),
     }
 
 
@@ -101,12 +103,17 @@ def load_engine_state(engine: DiLoCo, state: dict) -> None:
         fragment = engine.fragments[int(index)]
         sent = placed(item["sent"], fragment.device)  # eager subtracts it from the next Δm, which lives there
         fragment.flight = InFlight(
-            PendingExchange.completed(result), item["apply_at"], sent, item.get("estimate_weights")
+            PendingExchange.completed(result),
+            item["apply_at"],
+            sent,
+            item.get("estimate_weights"),
+            item.get("scale", 1.0),
         )
     engine.stats = engine.rounds.stats = EngineStats.from_dict(state["stats"])
     for fragment, saved in zip(engine.fragments, state.get("lowrank") or []):
         fragment.compressor.load_state_dict(saved)
     engine.guard.load_state_dict(state.get("divergence_guard"))
+    engine.round_policy.load_state_dict(state.get("round_policy"))
 
 
 def _check_compatible(engine: DiLoCo, state: dict) -> None:

@@ -30,6 +30,7 @@ from .codecs import COMPRESSIONS, check_topk_density
 ENV_PREFIX = "DILOCO_"
 FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
 OVERLAP_MODES = ("streaming", "delayed", "eager")
+ROUND_POLICIES = ("steps", "balanced")
 EAGER_ESTIMATES = ("own_share", "fitted")
 EXCHANGE_PATTERNS = ("reduce_scatter", "all_gather")
 SCALE_DTYPES = ("fp32", "bf16")
@@ -50,6 +51,14 @@ MEMBERSHIP_FIELDS = (
 LOCAL_ONLY_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds", *MEMBERSHIP_FIELDS})
 
 
+def refuse_unsupported(what_runs: str, refused: list[str], way_out: str) -> None:
+    """One ValueError naming every setting in `refused` that `what_runs` does not run with, and the way out."""
+    if refused:
+        raise ValueError(
+            f"{what_runs}; not supported: " + "; ".join(refused) + f". Change these settings, or {way_out}."
+        )
+
+
 @dataclass
 class DiLoCoConfig:
     """
@@ -60,6 +69,9 @@ class DiLoCoConfig:
         outer_lr (`float`): learning rate of the outer SGD applied to the averaged pseudo-gradient.
         outer_momentum (`float`): momentum of the outer SGD.
         outer_nesterov (`bool`): Nesterov momentum for the outer SGD.
+        round_policy (`str`): `steps` (every worker runs H inner steps per round) or `balanced` (each worker as many
+            as its measured speed allows, the fastest H, so that all reach the exchange together; the average is
+            weighted by the steps each trained: `round_policy.py`).
 
     Streaming (fragments and overlap):
         num_fragments (`int`): P, fragments of the block stack synced one at a time, every H/P steps.
@@ -115,6 +127,15 @@ class DiLoCoConfig:
     outer_lr: float = field(default=0.7, metadata={"help": "Learning rate of the outer (Nesterov) SGD."})
     outer_momentum: float = field(default=0.9, metadata={"help": "Momentum of the outer SGD."})
     outer_nesterov: bool = field(default=True, metadata={"help": "Use Nesterov momentum in the outer SGD."})
+    round_policy: str = field(
+        default="steps",
+        metadata={
+            "help": "steps: every worker runs inner_steps per round; balanced: each worker's steps per round follow "
+            "its measured speed (the fastest runs inner_steps) so no site waits for a slower one, and the average is "
+            "weighted by the steps each worker trained.",
+            "choices": list(ROUND_POLICIES),
+        },
+    )
     num_fragments: int = field(
         default=1, metadata={"help": "P: fragments of the block stack, synced one every H/P steps. 1 = DiLoCo."}
     )
@@ -341,6 +362,7 @@ class DiLoCoConfig:
         _check_int("data_parallel_per_worker", self.data_parallel_per_worker, minimum=1)
         _check_int("pipeline_microbatches", self.pipeline_microbatches, minimum=1)
         _check_choice("pipeline_schedule", self.pipeline_schedule, PIPELINE_SCHEDULES)
+        _check_choice("round_policy", self.round_policy, ROUND_POLICIES)
         if (
             self.pipeline_stages > 1
             and self.pipeline_schedule == "1f1b"
@@ -407,9 +429,25 @@ class DiLoCoConfig:
                 f"sync_delay must be 0 with overlap='{self.overlap}': that mode applies each exchange one whole round "
                 "later by itself."
             )
+        if self.round_policy == "balanced":
+            self._check_balanced()
         if not str(self.global_copy_device):
             raise ValueError("global_copy_device must name a device, e.g. 'cpu'.")
         self._validate_membership()
+
+    def _check_balanced(self) -> None:
+        refused = []
+        if self.overlap != "streaming":
+            refused.append(f"overlap '{self.overlap}' (its estimate and delay assume rounds of equal length)")
+        if self.lowrank_rank or self.adaptive_compression:
+            refused.append("low-rank or adaptive compression")
+        if self.lighthouse:
+            refused.append("elastic membership (lighthouse)")
+        refuse_unsupported(
+            "round_policy 'balanced' runs with overlap 'streaming' over a fixed group of workers",
+            refused,
+            "use round_policy: steps",
+        )
 
     def _validate_membership(self) -> None:
         for name in ("lighthouse", "site", "site_host"):
@@ -455,6 +493,7 @@ class DiLoCoConfig:
             "max_skipped_rounds": 3,
             "first_round_factor": 10.0,
             "topk_density": 1 / 64,
+            "round_policy": "steps",
         }
         shared = {k: v for k, v in self.shared_settings().items() if not (k in added_later and v == added_later[k])}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -29,14 +28,15 @@ from .agreement import (
 )
 from .buffers import BufferPool
 from .codecs import CODEC_BITS, make_codec
-from .config import DiLoCoConfig
+from .config import DiLoCoConfig, refuse_unsupported
 from .devices import local_device
 from .elastic import ElasticRounds, Membership
 from .exchange import OuterExchange
 from .fragment import Fragment, InFlight, outer_state_bytes
-from .fragments import Piece, find_block_stack, fragments_launched_at, partition_fragments, steps_since_launch
+from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
 from .overlap import make_overlap
+from .round_policy import RoundClock, make_round_policy
 from .rounds import DivergenceGuard, RoundKeeper
 from .shard import ReplicatedValues, ShardedValues, Worker, is_sharded
 from .stats import EngineStats, Observers, RoundRecord
@@ -60,7 +60,9 @@ class DiLoCo:
     With `lowrank_rank` > 0 the exchange averages a PowerSGD approximation of Δm (`lowrank.py`), and with
     `adaptive_compression` a policy picks rank and codec per sync (`adaptive.py`; assign another `CompressionPolicy`
     to `engine.exchange.policy`). Rounds whose average is not finite, or far larger than the recent ones, are skipped
-    on every worker alike (`rounds.py`). `add_observer` sees every round.
+    on every worker alike (`rounds.py`). `add_observer` sees every round. With `round_policy: balanced` each worker's
+    steps per round follow its measured speed and the average is weighted by steps (`round_policy.py`); read
+    `outer_rounds` and `global_step` for where the run stands.
 
     Args:
         model: the model this worker trains (its trainable parameters are synced).
@@ -130,7 +132,10 @@ class DiLoCo:
         self.fragments = [self._make_fragment(index, part, params) for index, part in enumerate(pieces)]
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
-        self._timer = _StepTimer()
+        self._timer = RoundClock()
+        self.round_policy = make_round_policy(
+            config.round_policy, config.inner_steps, config.num_fragments, config.sync_delay, self.topology
+        )
         self._closed = False
         self.elastic = None if membership is None else ElasticRounds(self, membership)
         if self.elastic is not None:
@@ -146,10 +151,21 @@ class DiLoCo:
         self._timer.step_begins()
         self.inner_step += 1
         self.overlap.apply_due(self.fragments, self.inner_step)
-        for index in fragments_launched_at(self.inner_step, self.config.inner_steps, self.config.num_fragments):
+        for index in self.round_policy.launches(self.inner_step):
             self._launch(self.fragments[index])
+        round_ended = self.round_policy.end_round_if_due(self.inner_step, self._timer)
         self._count_outer_state()
-        self._timer.step_ends()
+        self._timer.step_ends(round_ended)
+
+    @property
+    def outer_rounds(self) -> int:
+        """Completed outer rounds, equal on every worker (`while engine.outer_rounds < R: ...` ends at a round)."""
+        return self.round_policy.outer_rounds(self.inner_step)
+
+    @property
+    def global_step(self) -> int:
+        """The run's position in the fastest worker's steps (`inner_step` under `steps`; `round_policy.py`)."""
+        return self.round_policy.global_step(self.inner_step)
 
     def close(self) -> None:
         """Apply everything still in flight (in launch order), then sync the steps no round has covered yet.
@@ -165,9 +181,10 @@ class DiLoCo:
         still held then equals θ0 minus the mean of every pseudo-gradient they produced (a test).
         """
         self._closed = True
-        tails = [f for f in self.fragments if self._steps_since_launch(f) > 0]
+        scales = self.round_policy.tail_scales(self.inner_step)  # by fragment index
+        tails = [fragment for fragment in self.fragments if scales[fragment.index] is not None]
         for index, delta in self.overlap.close(self.fragments, tails).items():
-            self._sync_tail(self.fragments[index], delta)
+            self._sync_tail(self.fragments[index], delta, scales[index])
         self.overlap.after_close(self.fragments)
         self.exchange.close()
         if self.elastic is not None:
@@ -195,14 +212,7 @@ class DiLoCo:
         With D > 1 data-parallel ranks per worker each rank holds 1/D of θg, so this gathers it inside the worker (its
         fast link, never across workers): every rank of the worker must call it at the same point.
         """
-        rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        for fragment in self.fragments:
-            for piece, values in fragment.unflatten(fragment.whole(fragment.theta_g)):
-                rows.setdefault(piece.name, []).append((piece.start, values))
-        return {
-            name: parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in sorted(parts, key=lambda p: p[0])])
-            for name, parts in rows.items()
-        }
+        return whole_parameters(self.fragments)
 
     @contextlib.contextmanager
     def global_weights(self) -> Iterator[nn.Module]:
@@ -237,6 +247,7 @@ class DiLoCo:
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
         logs["diloco/local_global_drift"] = relative_drift(self.fragments)
         logs["diloco/inner_step"] = float(self.inner_step)
+        logs.update(self.round_policy.metrics(self.inner_step, self._timer))
         return logs
 
     # ----------------------------------------------------------------------------------------------- checkpoints
@@ -259,7 +270,8 @@ class DiLoCo:
         else:
             values = ReplicatedValues(pieces, params, self.exchange.granularity(), self.worker)
         device = local_device(config.global_copy_device, params.values())  # "cuda": this process's own GPU
-        fragment = Fragment(index, pieces, params, device, self._outer_optimizer, values, buffers=self.buffers)
+        make_optimizer = functools.partial(outer_optimizer, config)
+        fragment = Fragment(index, pieces, params, device, make_optimizer, values, buffers=self.buffers)
         if config.lowrank_rank:  # the initial Q is seeded by the fragment index, the same on every worker
             fragment.compressor = LowRankCompressor(
                 fragment.shapes,
@@ -268,13 +280,8 @@ class DiLoCo:
                 track_energy=config.adaptive_compression,
                 compression=config.compression,
             )
-        self.overlap.prepare(fragment, self._outer_optimizer)
+        self.overlap.prepare(fragment, make_optimizer)
         return fragment
-
-    def _outer_optimizer(self, tensor: torch.Tensor) -> torch.optim.Optimizer:
-        momentum = self.config.outer_momentum
-        nesterov = self.config.outer_nesterov and momentum > 0
-        return torch.optim.SGD([tensor], lr=self.config.outer_lr, momentum=momentum, nesterov=nesterov)
 
     def _launch(self, fragment: Fragment) -> None:
         start = self.overlap.round_start(fragment)
@@ -285,6 +292,7 @@ class DiLoCo:
         if self.elastic is not None:
             self.elastic.launch(fragment, delta)
             return
+        scale = self.round_policy.weigh(delta, fragment.index)  # `balanced`: this worker's share by its steps
         pending = self.exchange.launch(
             delta.cpu(),
             self._description("outer sync", fragment),
@@ -294,12 +302,14 @@ class DiLoCo:
             layout=fragment.values.layout,
             out=fragment.average_buffer(),
         )
-        self.overlap.launched(fragment, InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta))
+        flight = InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta, scale=scale)
+        self.overlap.launched(fragment, flight)
 
-    def _sync_tail(self, fragment: Fragment, delta: torch.Tensor) -> None:
+    def _sync_tail(self, fragment: Fragment, delta: torch.Tensor, scale: float = 1.0) -> None:
         if self.elastic is not None:
             self.elastic.tail(fragment, delta)
             return
+        delta = delta * scale if scale != 1.0 else delta
         pending = self.exchange.launch(
             delta.cpu(),
             self._description("final outer sync", fragment),
@@ -309,13 +319,12 @@ class DiLoCo:
             layout=fragment.values.layout,
             out=fragment.average_buffer(),
         )
-        record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta))
+        record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta, scale=scale))
         fragment.write_local(fragment.theta_g)
         self.rounds.publish(record)
 
     def _description(self, what: str, fragment: Fragment) -> str:
-        peers = self.topology.outer_peers()
-        return f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {peers}"
+        return f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {self.topology.outer_peers()}"
 
     def _launch_context(self, fragment: Fragment) -> dict:
         """What an adaptive policy needs to know about this launch (how much compute the exchange can hide behind)."""
@@ -326,9 +335,6 @@ class DiLoCo:
             "overlap_steps": self.overlap.overlap_steps,
         }
 
-    def _steps_since_launch(self, fragment: Fragment) -> int:
-        return steps_since_launch(fragment.index, self.inner_step, self.config.inner_steps, self.config.num_fragments)
-
     def _count_intra_worker_bytes(self, sent: int) -> None:
         self.stats.bytes_sent_intra_worker += sent
 
@@ -337,6 +343,25 @@ class DiLoCo:
         residuals = 1 if self.config.error_feedback or self.config.lowrank_rank else 0
         averages = 0 if self.fragments and self.fragments[0].uses_buffers else 1
         self.stats.outer_state_bytes = outer_state_bytes(self.fragments, residuals + averages, self.buffers.tensors())
+
+
+def outer_optimizer(config: DiLoCoConfig, tensor: torch.Tensor) -> torch.optim.Optimizer:
+    """One fragment's outer optimizer: SGD with the configured (Nesterov) momentum."""
+    momentum = config.outer_momentum
+    nesterov = config.outer_nesterov and momentum > 0
+    return torch.optim.SGD([tensor], lr=config.outer_lr, momentum=momentum, nesterov=nesterov)
+
+
+def whole_parameters(fragments: Sequence[Fragment]) -> dict[str, torch.Tensor]:
+    """Each fragment's whole θg by parameter name (a parameter cut by rows into pieces is concatenated)."""
+    rows: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for fragment in fragments:
+        for piece, values in fragment.unflatten(fragment.whole(fragment.theta_g)):
+            rows.setdefault(piece.name, []).append((piece.start, values))
+    return {
+        name: parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in sorted(parts, key=lambda p: p[0])])
+        for name, parts in rows.items()
+    }
 
 
 def relative_drift(fragments: Sequence[Fragment]) -> float:
@@ -355,22 +380,6 @@ def _step_after_close(inner_step: int) -> RuntimeError:
     )
 
 
-class _StepTimer:
-    """Average compute time of one inner step: the time between two `step()` calls, outside the engine."""
-
-    def __init__(self) -> None:
-        self.seconds: float | None = None
-        self._ended: float | None = None
-
-    def step_begins(self) -> None:
-        if self._ended is not None:
-            elapsed = time.perf_counter() - self._ended
-            self.seconds = elapsed if self.seconds is None else 0.9 * self.seconds + 0.1 * elapsed
-
-    def step_ends(self) -> None:
-        self._ended = time.perf_counter()
-
-
 def check_elastic_supported(config: DiLoCoConfig, topology: Topology | None) -> None:
     """Refuse, before anything starts, what elastic membership does not run (docs/design.md says why)."""
     refused = []
@@ -382,12 +391,9 @@ def check_elastic_supported(config: DiLoCoConfig, topology: Topology | None) -> 
         refused.append("low-rank or adaptive compression")
     if config.robust_clip_factor:
         refused.append("robust_clip_factor (a joining worker's zeros would lower the median)")
-    if refused:
-        raise ValueError(
-            "Elastic membership runs among single-process workers; not supported: "
-            + "; ".join(refused)
-            + ". Change these settings, or run without elastic membership."
-        )
+    refuse_unsupported(
+        "Elastic membership runs among single-process workers", refused, "run without elastic membership"
+    )
 
 
 def _make_exchange(topology: Topology, config: DiLoCoConfig) -> OuterExchange:

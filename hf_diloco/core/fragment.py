@@ -36,12 +36,15 @@ class InFlight:
         apply_at: the inner step after which it is applied (streaming: launch + τ; delayed/eager: a round later).
         sent: this worker's pseudo-gradient as it was sent.
         weights: fitted eager, per piece: the w of the estimate w·sent applied at launch (None: 1/M each).
+        scale: what Δm was multiplied by before it was sent (`round_policy: balanced`: M w_m / Σ w); the residual the
+            exchange returns is divided by it, so error feedback carries it in Δm's own units.
     """
 
     pending: PendingExchange
     apply_at: int
     sent: torch.Tensor | None = None
     weights: list[float] | None = None
+    scale: float = 1.0
 
 
 class Trajectory:

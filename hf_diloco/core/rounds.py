@@ -249,6 +249,8 @@ class RoundKeeper:
             fragment.index, result.bytes_sent, result.bytes_sent_intra_worker, self.per_fragment_stats
         )
         fragment.residual = result.residual
+        if result.residual is not None and flight.scale not in (0.0, 1.0):
+            fragment.residual = result.residual / flight.scale
         if result.choice is not None:
             self.stats.lowrank_rank = result.choice["rank"]
             self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]

@@ -234,6 +234,12 @@ class DiLoCoPlugin(DiLoCoSettings):
         """Inner optimizer steps completed (restored by `load_state`, so a resumed loop knows where it is)."""
         return self._require_session().engine.inner_step
 
+    @property
+    def outer_rounds(self) -> int:
+        """Completed outer rounds, the same on every worker: with `round_policy: balanced`, where workers run
+        different numbers of inner steps per round, end the loop at a round (`while plugin.outer_rounds < R`)."""
+        return self._require_session().engine.outer_rounds
+
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 theta_g by parameter name (identical on every rank)."""
         return self._require_session().engine.global_parameters()

@@ -184,6 +184,7 @@ class Checkpoints:
                 super()._save_checkpoint(model, trial)
             if self.args.should_save:
                 self._write_run_settings(folder)
+                self._write_worker_steps(folder)
             self.wait_for_all_ranks(f"the end of writing {name} (every rank's files written)")
             if self.args.should_save:
                 write_manifest(folder)

@@ -10,6 +10,7 @@ engine (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming DiLoCo, arXiv
 - `checkpoints.py`: atomic checkpoints with each rank's DiLoCo state, resume, the run that was already finished;
 - `rank_agreement.py`: the settings every rank must share, and the bounded global points;
 - `global_model.py`: evaluation and saving on theta_g, the model card, the push to the Hub;
+- `round_schedule.py`: the global step and LR schedule under `round_policy: balanced` (workers of unequal speed);
 - `pipeline_stages.py`: the pipelined trainer (`pipeline_stages` > 1), chosen here at construction.
 
 The default process group stays the whole world, so the Trainer's rank-based file names, `should_save` on global
@@ -33,12 +34,20 @@ from .engine_lifecycle import EngineLifecycle, EngineStepCallback
 from .global_model import GlobalModel
 from .pipeline_stages import PipelineTrainerMixin
 from .rank_agreement import RankAgreement
+from .round_schedule import RoundSchedule
 from .worker_collectives import WorkerCollectives
 from .worker_sharding import WorkerSharding
 
 
 class DiLoCoTrainer(
-    EngineLifecycle, WorkerSharding, Checkpoints, RankAgreement, GlobalModel, WorkerCollectives, Trainer
+    EngineLifecycle,
+    WorkerSharding,
+    Checkpoints,
+    RankAgreement,
+    GlobalModel,
+    WorkerCollectives,
+    RoundSchedule,
+    Trainer,
 ):
     """
     A [`~transformers.Trainer`] that trains with DiLoCo: every worker runs the Trainer's own inner optimizer and LR

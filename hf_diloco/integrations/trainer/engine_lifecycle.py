@@ -89,6 +89,7 @@ class EngineLifecycle:
         self._final_metrics = {}
         if resume_from_checkpoint is not None:
             self._load_diloco_state(resume_from_checkpoint)
+        self._logged_at()
         return model, train_dataloader
 
     def _finalize_training(self, trial, num_train_samples, start_time):
@@ -115,3 +116,4 @@ class EngineStepCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs) -> None:
         if self._trainer._session is not None:
             self._trainer._session.step_end(skipped=self._trainer.accelerator.optimizer_step_was_skipped)
+            self._trainer._follow_the_round(state)

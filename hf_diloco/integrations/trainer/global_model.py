@@ -154,8 +154,17 @@ class GlobalModel:
             "task": tasks[0] if tasks else "text-generation",
             "hyperparameters": extract_hyperparameters_from_trainer(self),
             "training_log": _training_log(self.state.log_history),
-            "tokens_seen": self.state.num_input_tokens_seen * topology.num_workers,
+            "tokens_seen": self._tokens_of_all_workers(),
         }
+
+    def _tokens_of_all_workers(self) -> int:
+        """This worker's `num_input_tokens_seen` x M; under `round_policy: balanced`, where workers run different
+        numbers of steps, x (every worker's steps) / (this worker's): every step trains the same tokens."""
+        own = self.state.num_input_tokens_seen
+        engine = self.diloco
+        if engine is not None and engine.round_policy.balanced and engine.inner_step:
+            return own * sum(engine.round_policy.steps_done) // engine.inner_step
+        return own * self._get_topology().num_workers
 
     def _card_results(self) -> tuple[dict[str, float], str]:
         """Metrics of an evaluation of exactly the weights being saved, and when it was taken."""

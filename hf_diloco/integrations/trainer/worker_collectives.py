@@ -173,7 +173,7 @@ class WorkerCollectives:
             loss /= dist.get_world_size(group)
         loss_scalar = loss.item()
         tr_loss -= tr_loss
-        logs: dict[str, float] = {"loss": loss_scalar / (self.state.global_step - self._globalstep_last_logged)}
+        logs: dict[str, float] = {"loss": loss_scalar / self._steps_since_last_log()}
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
         logs["learning_rate"] = lr if lr is not None else self._get_learning_rate()
@@ -181,6 +181,7 @@ class WorkerCollectives:
             logs.update(self._session.metrics())
         self._total_loss_scalar += loss_scalar
         self._globalstep_last_logged = self.state.global_step
+        self._logged_at()
         self.store_flos()
         self.log(logs, start_time)
 
