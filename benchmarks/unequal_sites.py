@@ -2,6 +2,7 @@
 
     python -m benchmarks.unequal_sites                      # k = 2 and 4, seeds 0-4, the `--long` regime's model
     python -m benchmarks.unequal_sites --slowdowns 2 --seeds 0
+    python -m benchmarks.unequal_sites --quick --out /tmp/unequal   # seconds: H = 10, 80 steps, 50 files
 
 The model, data and optimizer are those of `benchmarks.quality --long` (229 k parameters, the stdlib corpus), DiLoCo
 with H = 50 and its short-run outer optimizer. Every run trains the same number of tokens in total over the two
@@ -54,16 +55,24 @@ def _job_steps(engine, world: int) -> float:
     return sum(policy.steps_done) + share * sum(policy.plan)
 
 
-def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, folder: str) -> dict:
+def _settings(quick: bool) -> tuple[argparse.Namespace, int]:
+    """The long regime's run settings and H (`--quick`: 80 steps over both workers, H = 10, 50 corpus files)."""
+    flags = dict(REGIMES["long"])
+    if quick:
+        flags.update({"--token_budget": str(80 * 8 * 128), "--train_files": "50"})
+    return run_settings([item for pair in flags.items() for item in pair]), 10 if quick else H
+
+
+def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, folder: str, quick: bool) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
     from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model
 
-    settings = run_settings([item for pair in REGIMES["long"].items() for item in pair])
+    settings, inner_steps = _settings(quick)
     data = torch.load(Path(folder) / "data.pt")
     spec = {"config": {**DEFAULT_MODEL_CONFIG, **json.loads(settings.model)}}
     model = build_model(spec, data["vocab"], *data["ids"], seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=H, round_policy=policy, **OUTER))
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=inner_steps, round_policy=policy, **OUTER))
     total_steps = settings.token_budget // (settings.batch_size * settings.block_size)  # over both workers
     schedule = _cosine(total_steps // world, settings.warmup)  # over a worker's steps at equal speed
     shard = data["train"][rank::world]
@@ -102,8 +111,8 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
     }
 
 
-def _run(policy: str, slowdown: float, seed: int, folder: str) -> dict:
-    fast, slow = run_on_workers(_worker, 2, policy, slowdown, seed, folder)
+def _run(policy: str, slowdown: float, seed: int, folder: str, quick: bool) -> dict:
+    fast, slow = run_on_workers(_worker, 2, policy, slowdown, seed, folder, quick)
     return {
         "policy": policy,
         "slowdown": slowdown,
@@ -147,18 +156,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--slowdowns", default="2,4", help="k: the slowed worker's speed is 1/k.")
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--out", default=f"{RESULTS_DIR}/unequal_sites")
+    parser.add_argument("--quick", action="store_true", help="A few seconds per run (a smoke test, not a result).")
     args = parser.parse_args(argv)
     slowdowns = [float(value) for value in args.slowdowns.split(",")]
     seeds = [int(value) for value in args.seeds.split(",")]
-    settings = run_settings([item for pair in REGIMES["long"].items() for item in pair])
+    settings, _ = _settings(args.quick)
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         prepare_data(Path(folder), settings.block_size, settings.train_files, settings.vocab_size)
         for seed in seeds:
-            runs.append(_run("steps", 1, seed, folder))
+            runs.append(_run("steps", 1, seed, folder, args.quick))
             for slowdown in slowdowns:
                 for policy in ("steps", "balanced"):
-                    runs.append(_run(policy, slowdown, seed, folder))
+                    runs.append(_run(policy, slowdown, seed, folder, args.quick))
                     print(json.dumps(runs[-1]), file=sys.stderr)
     table = _table(runs, slowdowns)
     result = {"command": command_line("benchmarks.unequal_sites", argv), "runs": runs}
