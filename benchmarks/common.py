@@ -266,7 +266,7 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
     spec = {"config": {**DEFAULT_MODEL_CONFIG, **json.loads(args.model)}} if args.model else None
     model = build_model(spec, data["vocab"], *data["ids"], seed=args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _cosine(args.steps, args.warmup))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(args.steps, args.warmup))
     engine, counter, trained = None, {"bytes": 0}, model
     _, fields, _ = parse_method(method)
     if fields is None:
@@ -329,7 +329,9 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
     }
 
 
-def _cosine(total: int, warmup: int):
+def cosine_schedule(total: int, warmup: int):
+    """The LR factor of a step: linear warm-up over `warmup` steps, then a cosine to 0.1 at step `total`."""
+
     def factor(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup

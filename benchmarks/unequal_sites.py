@@ -32,8 +32,8 @@ import torch
 from benchmarks.common import (
     REGIMES,
     RESULTS_DIR,
-    _cosine,
     command_line,
+    cosine_schedule,
     evaluate,
     prepare_data,
     run_on_workers,
@@ -74,7 +74,7 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.1, betas=(0.9, 0.95))
     engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=inner_steps, round_policy=policy, **OUTER))
     total_steps = settings.token_budget // (settings.batch_size * settings.block_size)  # over both workers
-    schedule = _cosine(total_steps // world, settings.warmup)  # over a worker's steps at equal speed
+    schedule = cosine_schedule(total_steps // world, settings.warmup)  # over a worker's steps at equal speed
     shard = data["train"][rank::world]
     slowed = rank == 1
     waits, step, job_steps = [], 0, 0
@@ -172,8 +172,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(json.dumps(runs[-1]), file=sys.stderr)
     table = _table(runs, slowdowns)
     result = {"command": command_line("benchmarks.unequal_sites", argv), "runs": runs}
-    write_results(args.out, result, table)
-    print(table)
+    write_results(args.out, result, f"`{result['command']}`\n\n{table}\n")
     return result
 
 
