@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
                     runs.append(_run(policy, slowdown, seed, folder, args.quick))
                     print(json.dumps(runs[-1]), file=sys.stderr)
     table = _table(runs, slowdowns)
-    result = {"command": command_line("benchmarks.unequal_sites", argv), "runs": runs}
+    result = {"command": command_line("unequal_sites", argv), "runs": runs}
     write_results(args.out, result, f"`{result['command']}`\n\n{table}\n")
     return result
 
