@@ -180,6 +180,7 @@ class BalancedRounds(_RoundPolicy):
         return self.plan[self.topology.worker_index]
 
     def launches(self, step: int) -> list[int]:
+        """The fragments due after `step` (recorded as launched there: the tail and the weights count from it)."""
         local = step - self.round_start
         due = [p for p in range(self.num_fragments) if launch_step(p, self.round_steps, self.num_fragments) == local]
         for fragment in due:
@@ -222,7 +223,7 @@ class BalancedRounds(_RoundPolicy):
         tails = [self.steps_since_launch(p, step) for p in range(self.num_fragments)]
         mine = torch.tensor(tails, dtype=torch.float64)
         everyone = self._all_gather(mine)
-        per_worker = self._per_worker(everyone, torch.max)
+        per_worker = self._per_worker(everyone)
         total = per_worker.sum(dim=0)
         index = self.topology.worker_index
         workers = per_worker.shape[0]
@@ -270,7 +271,7 @@ class BalancedRounds(_RoundPolicy):
 
     def _gather_step_seconds(self, mine: float) -> list[float]:
         everyone = self._all_gather(torch.tensor([mine], dtype=torch.float64))
-        return [float(value) for value in self._per_worker(everyone, torch.max)[:, 0]]
+        return [float(value) for value in self._per_worker(everyone)[:, 0]]
 
     def _all_gather(self, mine: torch.Tensor) -> torch.Tensor:
         group = self.topology.control_group
@@ -280,13 +281,13 @@ class BalancedRounds(_RoundPolicy):
         dist.all_gather(parts, mine, group=group)
         return torch.stack(parts)
 
-    def _per_worker(self, by_rank: torch.Tensor, combine) -> torch.Tensor:
+    def _per_worker(self, by_rank: torch.Tensor) -> torch.Tensor:
         """Rows by rank (the control group's order, every rank of the job) -> rows by worker, combining a worker's
         ranks (the slowest rank sets a worker's speed)."""
         layout = self.topology.layout
         if by_rank.shape[0] == 1:
             return by_rank
-        rows = [combine(by_rank[layout.worker_ranks(worker)], dim=0).values for worker in range(layout.num_workers)]
+        rows = [by_rank[layout.worker_ranks(worker)].max(dim=0).values for worker in range(layout.num_workers)]
         return torch.stack(rows)
 
 

@@ -250,7 +250,7 @@ class RoundKeeper:
         )
         fragment.residual = result.residual
         if result.residual is not None and flight.scale not in (0.0, 1.0):
-            fragment.residual = result.residual / flight.scale
+            fragment.residual.div_(flight.scale)  # in place: a residual is as long as the fragment
         if result.choice is not None:
             self.stats.lowrank_rank = result.choice["rank"]
             self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]
