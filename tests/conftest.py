@@ -47,7 +47,13 @@ SLOW_TESTS = {
     "test_the_trainer_counts_the_runs_position_and_resumes_a_balanced_run_bitwise",
     "test_a_plugin_loop_ends_at_a_round_and_resumes_from_a_round_bitwise",
 }
-ELASTIC_MODULES = {"test_elastic", "test_readme_elastic", "test_heal_trust", "test_elastic_sites"}
+ELASTIC_MODULES = {
+    "test_elastic",
+    "test_elastic_balanced",
+    "test_readme_elastic",
+    "test_heal_trust",
+    "test_elastic_sites",
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -155,13 +155,18 @@ def test_streaming_weights_follow_the_steps_since_each_fragments_last_launch():
     [
         ({"overlap": "delayed"}, "overlap 'delayed'"),
         ({"lowrank_rank": 2}, "low-rank"),
-        ({"lighthouse": "http://127.0.0.1:29510", "site": "a"}, "elastic membership"),
     ],
 )
 def test_balanced_refuses_what_assumes_rounds_of_equal_length(settings, named):
     with pytest.raises(ValueError, match="round_policy 'balanced'") as raised:
         DiLoCoConfig(round_policy="balanced", **settings)
     assert named in str(raised.value)
+
+
+def test_balanced_takes_elastic_membership():
+    """Under a Lighthouse the exchange weighs (tests/test_elastic_balanced.py runs it)."""
+    config = DiLoCoConfig(round_policy="balanced", lighthouse="http://127.0.0.1:29510", site="a")
+    assert config.round_policy == "balanced" and config.lighthouse
 
 
 def _plugin_loop(out: Path, rounds: int, *extra: str) -> list[dict]:

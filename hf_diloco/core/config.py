@@ -441,10 +441,8 @@ class DiLoCoConfig:
             refused.append(f"overlap '{self.overlap}' (its estimate and delay assume rounds of equal length)")
         if self.lowrank_rank or self.adaptive_compression:
             refused.append("low-rank or adaptive compression")
-        if self.lighthouse:
-            refused.append("elastic membership (lighthouse)")
         refuse_unsupported(
-            "round_policy 'balanced' runs with overlap 'streaming' over a fixed group of workers",
+            "round_policy 'balanced' runs with overlap 'streaming'",
             refused,
             "use round_policy: steps",
         )

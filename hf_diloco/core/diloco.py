@@ -132,9 +132,14 @@ class DiLoCo:
         self.fragments = [self._make_fragment(index, part, params) for index, part in enumerate(pieces)]
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
-        self._timer = RoundClock()
+        self.clock = RoundClock()  # each inner step's compute time and the engine's; read by the round policy
         self.round_policy = make_round_policy(
-            config.round_policy, config.inner_steps, config.num_fragments, config.sync_delay, self.topology
+            config.round_policy,
+            config.inner_steps,
+            config.num_fragments,
+            config.sync_delay,
+            self.topology,
+            elastic=membership is not None,
         )
         self._closed = False
         self.elastic = None if membership is None else ElasticRounds(self, membership)
@@ -148,14 +153,14 @@ class DiLoCo:
         """Advance the schedule by one completed inner optimizer step."""
         if self._closed:
             raise _step_after_close(self.inner_step)
-        self._timer.step_begins()
+        self.clock.step_begins()
         self.inner_step += 1
         self.overlap.apply_due(self.fragments, self.inner_step)
         for index in self.round_policy.launches(self.inner_step):
             self._launch(self.fragments[index])
-        round_ended = self.round_policy.end_round_if_due(self.inner_step, self._timer)
+        round_ended = self.round_policy.end_round_if_due(self.inner_step, self.clock)
         self._count_outer_state()
-        self._timer.step_ends(round_ended)
+        self.clock.step_ends(round_ended)
 
     @property
     def outer_rounds(self) -> int:
@@ -247,7 +252,7 @@ class DiLoCo:
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
         logs["diloco/local_global_drift"] = relative_drift(self.fragments)
         logs["diloco/inner_step"] = float(self.inner_step)
-        logs.update(self.round_policy.metrics(self.inner_step, self._timer))
+        logs.update(self.round_policy.metrics(self.inner_step, self.clock))
         return logs
 
     # ----------------------------------------------------------------------------------------------- checkpoints
@@ -331,7 +336,7 @@ class DiLoCo:
         return {
             "step": self.inner_step,
             "fragment": fragment.index,
-            "step_seconds": self._timer.seconds,
+            "step_seconds": self.clock.seconds,
             "overlap_steps": self.overlap.overlap_steps,
         }
 

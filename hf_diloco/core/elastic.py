@@ -17,6 +17,8 @@ live peer while it forms the group. `ElasticRounds` is the engine's side of it, 
   round on (a fragment's round started before the join would carry fewer inner steps). Its error-feedback residuals
   start at zero; its inner optimizer state is its own (fresh for a new process).
 * **Averages over contributors.** The exchange adds one int64 all-reduce (the number of contributors) to the round.
+  With `round_policy: balanced` it is an all-gather of (contributes, steps, step time) instead, and the average is
+  weighted by the steps each contributor trained since its last launch of the fragment (`round_policy.py`).
 
 Every exchange runs inline, at its launch: the overlap mode's rule (streaming with τ > 0, delayed, eager) decides when
 its average is applied, as without elastic membership, but the communication itself is not overlapped with compute.
@@ -141,6 +143,7 @@ class ElasticRounds:
         self.log = MembershipLog()
         self._phase: tuple[str, int] | None = None  # ("launch" | "tail", fragment) while an exchange is formed
         self._tails_done: list[int] = []
+        self._weight = 0.0  # `balanced`: the steps this worker's Δ of the exchange being formed covers
         self._contributing = {fragment.index for fragment in engine.fragments}
         stats = engine.stats
         stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
@@ -166,6 +169,7 @@ class ElasticRounds:
     def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """Exchange the fragment's pseudo-gradient among the workers present and apply the average."""
         self._phase = ("launch", fragment.index)
+        self._weight = float(self.engine.round_policy.launch_weights[fragment.index]) if self._balanced else 0.0
         self._run(fragment, delta, self._begin())
 
     def tail(self, fragment: Fragment, delta: torch.Tensor) -> None:
@@ -173,6 +177,8 @@ class ElasticRounds:
         if fragment.index in self._tails_done:
             return  # synced while this worker healed into the others' close()
         self._phase = ("tail", fragment.index)
+        if self._balanced:
+            self._weight = float(self.engine.round_policy.steps_since_launch(fragment.index, self.engine.inner_step))
         self._run(fragment, delta, self._begin())
 
     def close(self) -> None:
@@ -197,6 +203,7 @@ class ElasticRounds:
             },
             "phase": self._phase,
             "tails_done": list(self._tails_done),
+            "outer_rounds": engine.outer_rounds,
         }
 
     def load_global_state(self, state: dict) -> None:
@@ -222,10 +229,17 @@ class ElasticRounds:
         engine.guard.load_state_dict(state["divergence_guard"])
         self._phase = None if state["phase"] is None else tuple(state["phase"])
         self._tails_done = list(state["tails_done"])
+        if self._balanced:
+            joined_at = None if self._phase is None else self._phase[1]
+            engine.round_policy.joined(engine.inner_step, joined_at, int(state["outer_rounds"]))
         # At step 0 (every worker's start) nothing was trained yet: every fragment's first round counts in full.
         self._contributing = {f.index for f in engine.fragments} if engine.inner_step == 0 else set()
 
     # ----------------------------------------------------------------------------------------------- internals
+
+    @property
+    def _balanced(self) -> bool:
+        return self.engine.round_policy.balanced
 
     def _begin(self) -> RoundView:
         view = self.membership.begin_round()
@@ -254,6 +268,7 @@ class ElasticRounds:
         while True:
             if view.healed or fragment is None:
                 fragment, delta = self._joining_exchange()
+                self._weight = 0.0
             final = self._phase[0] == "tail"
             result = self._attempt(fragment, delta, view, final)
             if self.membership.end_round() and result is not None:
@@ -300,7 +315,15 @@ class ElasticRounds:
 
     def _attempt(self, fragment: Fragment, delta: torch.Tensor, view: RoundView, final: bool) -> ExchangeResult | None:
         engine = self.engine
-        outer = OuterGroup(view.group, view.rank, view.size, contributes=fragment.index in self._contributing)
+        balanced = self._balanced
+        outer = OuterGroup(
+            view.group,
+            view.rank,
+            view.size,
+            contributes=fragment.index in self._contributing and (self._weight > 0 or not balanced),
+            weight=self._weight if balanced else None,
+            step_seconds=engine.clock.median_step_seconds() if balanced else 0.0,
+        )
         what = "final outer sync" if final else "outer sync"
         description = (
             f"{what} of fragment {fragment.index} at inner step {engine.inner_step} among {view.size} workers"
@@ -321,7 +344,9 @@ class ElasticRounds:
 
     def _apply(self, fragment: Fragment, delta: torch.Tensor, result: ExchangeResult, final: bool) -> None:
         engine = self.engine
-        flight = InFlight(PendingExchange.completed(result), engine.inner_step, sent=delta)
+        flight = InFlight(PendingExchange.completed(result), engine.inner_step, sent=delta, scale=result.scale)
+        if self._balanced:
+            engine.round_policy.observe_fastest(result.fastest_step_seconds)
         self._phase = None
         self._contributing.add(fragment.index)
         if final:

@@ -69,12 +69,18 @@ class OuterGroup:
         size: its number of members.
         contributes: this worker's pseudo-gradient counts (a worker that joined during the fragment's round sends
             zeros and the average is taken over the contributors only).
+        weight: `round_policy: balanced`: the inner steps this worker trained since its last launch of the fragment;
+            the average is then weighted by them (Σ w_m Δm / Σ w) instead of taken plainly. None: a plain average.
+        step_seconds: `balanced`: this worker's median inner-step time in its round so far (0.0: not measured); the
+            exchange reports the fastest of the members' (`ExchangeResult.fastest_step_seconds`).
     """
 
     group: dist.ProcessGroup | None
     rank: int
     size: int
     contributes: bool = True
+    weight: float | None = None
+    step_seconds: float = 0.0
 
 
 @dataclass
@@ -86,6 +92,8 @@ class ExchangeResult:
     clipped: bool = False  # this rank's contribution was scaled down by robust aggregation
     choice: dict | None = None  # the adaptive setting this exchange used (step, rank, compression, reason)
     contributors: int | None = None  # with an `OuterGroup`: the workers whose pseudo-gradient the average holds
+    scale: float = 1.0  # with a weighted `OuterGroup`: what this worker's Δ was multiplied by (C w_m / Σ w)
+    fastest_step_seconds: float | None = None  # with a weighted `OuterGroup`: the members' fastest step (0: none)
 
 
 class OuterSyncError(RuntimeError):
@@ -334,6 +342,7 @@ class _ExchangeJob:
         self.outer = outer or OuterGroup(topology.outer_group, topology.worker_index, topology.num_workers)
         self.counts_contributors = outer is not None
         self.contributors = self.outer.size
+        self.scale, self.fastest_step_seconds = 1.0, None
         self.vector = vector
         self.compressor = compressor
         self.context = context or {}
@@ -352,7 +361,9 @@ class _ExchangeJob:
         self.link_seconds = time.perf_counter() - started
         if not self.outer.contributes:
             self.vector = torch.zeros_like(self.vector)
-        if self.counts_contributors:
+        if self.counts_contributors and self.outer.weight is not None:
+            self._weigh_contributions()
+        elif self.counts_contributors:
             self.contributors = self._count_contributors()
         if self.compressor is not None and self.owned:
             # PowerSGD multiplies whole matrices: the fragment's pseudo-gradient is gathered inside the worker.
@@ -360,9 +371,7 @@ class _ExchangeJob:
         clipped = self._clip_outlier() if ex.clip_factor > 0 else False
         if self.compressor is None:
             average, residual = self._average(self.vector, ex.codec, split=not self.owned, out=self.out)
-            return ExchangeResult(
-                self._into_out(average), residual, self.sent, self.intra, clipped, contributors=self._counted()
-            )
+            return self._result(self._into_out(average), residual, clipped)
         choice = self._decide() if ex.policy is not None else None
         codec = ex.codec_named(choice["compression"]) if choice else ex.codec
         # With data-parallel ranks inside a worker, each rank only knows the quantization residual of its own shard;
@@ -383,14 +392,21 @@ class _ExchangeJob:
         if self.layout is not None and ex.topology.data_parallel_size > 1:
             average_of_all = self.layout.take(average_of_all, ex.topology.dp_index)
             residual = None if residual is None else self.layout.take(residual, ex.topology.dp_index)
+        return self._result(self._into_out(average_of_all), residual, clipped, choice)
+
+    def _result(
+        self, average: torch.Tensor, residual: torch.Tensor | None, clipped: bool, choice: dict | None = None
+    ) -> ExchangeResult:
         return ExchangeResult(
-            self._into_out(average_of_all),
+            average,
             residual,
             self.sent,
             self.intra,
             clipped,
             choice=choice,
             contributors=self._counted(),
+            scale=self.scale,
+            fastest_step_seconds=self.fastest_step_seconds,
         )
 
     def _into_out(self, average: torch.Tensor) -> torch.Tensor:
@@ -413,6 +429,30 @@ class _ExchangeJob:
         dist.all_reduce(count, group=outer.group)
         self.sent += (outer.size - 1) * count.nbytes
         return int(count)
+
+    def _weigh_contributions(self) -> None:
+        """`round_policy: balanced` under elastic membership: one all-gather of (contributes, steps, step time) per
+        member, 24 bytes each, in place of the contributor count. This worker's Δ is scaled by C w_m / Σ w (a new
+        tensor: a retry sends the same Δ again), so the plain sum over C contributors is Σ w_m Δm / Σ w."""
+        outer = self.outer
+        weight = float(outer.weight) if outer.contributes else 0.0
+        mine = torch.tensor([float(outer.contributes), weight, outer.step_seconds], dtype=torch.float64)
+        if outer.size == 1 or outer.group is None:
+            everyone = mine.unsqueeze(0)
+        else:
+            parts = [torch.empty_like(mine) for _ in range(outer.size)]
+            dist.all_gather(parts, mine, group=outer.group)
+            everyone = torch.stack(parts)
+            self.sent += (outer.size - 1) * mine.nbytes
+        contributes, weights, seconds = everyone.unbind(dim=1)
+        self.contributors = int(contributes.sum())
+        total = float(weights.sum())
+        measured = seconds[seconds > 0]
+        self.fastest_step_seconds = float(measured.min()) if measured.numel() else 0.0
+        if weight > 0 and total > 0:
+            self.scale = self.contributors * weight / total
+            if self.scale != 1.0:
+                self.vector = self.vector * self.scale
 
     def _gather_shares(self, share: torch.Tensor) -> torch.Tensor:
         """The fragment's whole vector from every data-parallel rank's share (over the worker's fast link)."""

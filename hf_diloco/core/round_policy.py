@@ -14,6 +14,14 @@ The average of a round is weighted by the inner steps each worker trained in it:
 settings are part of what the workers agree on at start-up), so steps are tokens. The weights of a launch follow from
 the plans, which every worker holds, so they cost no collective; `close()` gathers each worker's tail once.
 
+Under elastic membership (`elastic.py`) the workers of an exchange are whoever is present, so nothing can be
+computed from plans: each worker knows its own plan only, and the exchange weighs (`exchange.OuterGroup.weight`):
+one all-gather of (contributes, steps since the fragment's last launch, median step time) per member replaces the
+contributor count, each worker scales its Δ by C w_m / Σ w, and the round's last exchange tells every member the
+fastest member's step time, from which each plans its own next round. A worker that joins runs H steps in its first
+round (nothing of it is measured yet) and is planned from then on; at `close()` every worker syncs every fragment,
+weighing its own tail (0 where it has none).
+
 Fragment p of P launches at local step (p + 1) h_w // P of a round (the order and spacing of Streaming DiLoCo as
 fractions of each worker's round); with τ > 0, h_w >= P (τ + 1) keeps a fragment's exchange applied before the next
 one launches. The time inside `engine.step()` (exchanges, waiting for peers, the outer step) over a round's wall
@@ -158,12 +166,24 @@ class BalancedRounds(_RoundPolicy):
         num_fragments: P.
         sync_delay: τ (with τ > 0 a round has at least P (τ + 1) steps).
         topology: this rank's groups (the plan is agreed on its control group).
+        weighs_in_exchange: elastic membership: the exchange weighs the average and reports the fastest member's step
+            time (`observe_fastest`); this worker plans only its own rounds.
     """
 
     balanced = True
 
-    def __init__(self, inner_steps: int, num_fragments: int, sync_delay: int, topology: Topology):
+    def __init__(
+        self,
+        inner_steps: int,
+        num_fragments: int,
+        sync_delay: int,
+        topology: Topology,
+        weighs_in_exchange: bool = False,
+    ):
         self.inner_steps, self.num_fragments = inner_steps, num_fragments
+        self.weighs_in_exchange = weighs_in_exchange
+        self.fastest_seconds = 0.0  # elastic: the fastest member's step time at the last exchange (0: unknown)
+        self.launch_weights = [0] * num_fragments  # the steps each fragment's latest launch covered
         self.fewest = num_fragments * (sync_delay + 1)
         self.topology = topology
         workers = topology.num_workers
@@ -184,6 +204,7 @@ class BalancedRounds(_RoundPolicy):
         local = step - self.round_start
         due = [p for p in range(self.num_fragments) if launch_step(p, self.round_steps, self.num_fragments) == local]
         for fragment in due:
+            self.launch_weights[fragment] = step - self.last_launch[fragment]
             self.last_launch[fragment] = step
         return due
 
@@ -192,7 +213,7 @@ class BalancedRounds(_RoundPolicy):
 
     def end_round(self, step: int, clock: RoundClock) -> None:
         """Agree on the next round's plan from every rank's median step time, and start the next round."""
-        plan = plan_round_steps(self._gather_step_seconds(clock.median_step_seconds()), self.inner_steps, self.fewest)
+        plan = self._next_plan(clock.median_step_seconds())
         self.completed_steps = self.round_steps
         self.steps_done = [done + steps for done, steps in zip(self.steps_done, self.plan)]
         self.previous_plan = self.plan
@@ -213,13 +234,18 @@ class BalancedRounds(_RoundPolicy):
 
     def launch_scale(self, fragment: int) -> float:
         """M w_m / Σ w for this worker's launch of `fragment` in the current round, w the steps each worker trained
-        since the fragment's last launch (from the plans every worker holds)."""
+        since the fragment's last launch (from the plans every worker holds); 1.0 where the exchange weighs."""
+        if self.weighs_in_exchange:
+            return 1.0
         steps = [self._steps_covered(worker, fragment) for worker in range(len(self.plan))]
         return len(steps) * steps[self.topology.worker_index] / sum(steps)
 
     def tail_scales(self, step: int) -> list[float | None]:
         """`close()`: M w_m / Σ w per fragment from every worker's steps since the fragment's last launch (one small
-        all-gather of P numbers per rank; None where no worker trained it since: no worker syncs it)."""
+        all-gather of P numbers per rank; None where no worker trained it since: no worker syncs it). Where the
+        exchange weighs (elastic), every fragment, 1.0: nobody knows the others' tails, so everyone syncs all."""
+        if self.weighs_in_exchange:
+            return [1.0] * self.num_fragments
         tails = [self.steps_since_launch(p, step) for p in range(self.num_fragments)]
         mine = torch.tensor(tails, dtype=torch.float64)
         everyone = self._all_gather(mine)
@@ -228,6 +254,24 @@ class BalancedRounds(_RoundPolicy):
         index = self.topology.worker_index
         workers = per_worker.shape[0]
         return [float(workers * per_worker[index, p] / total[p]) if total[p] > 0 else None for p in range(len(tails))]
+
+    def observe_fastest(self, seconds: float | None) -> None:
+        """Elastic: an exchange's fastest member's step time (the round's last one plans the next round)."""
+        if seconds:
+            self.fastest_seconds = seconds
+
+    def joined(self, step: int, fragment: int | None, rounds: int) -> None:
+        """Elastic: this worker took a live peer's state at inner step `step`, in the exchange of `fragment` (None:
+        between exchanges) of the job's round `rounds` (the peer's completed rounds). Its own round restarts at H
+        steps, placed so that it is at that fragment's launch; the last fragment's launch ends the round, so this
+        worker starts the next one there. The others' plans, which it does not know, are not its concern."""
+        self.plan, self.previous_plan, self.completed_steps = [self.inner_steps], None, None
+        at = 0 if fragment is None else launch_step(fragment, self.inner_steps, self.num_fragments)
+        if at == self.inner_steps:
+            at, rounds = 0, rounds + 1
+        self.round_start, self.rounds = step - at, rounds
+        self.last_launch = [step] * self.num_fragments  # it trained nothing of its own before the join
+        self.fastest_seconds = 0.0
 
     def metrics(self, step: int, clock: RoundClock) -> dict[str, float]:
         """Also `round_steps`: this worker's steps in the last completed round (the current round's before any)."""
@@ -269,6 +313,12 @@ class BalancedRounds(_RoundPolicy):
         before = self.previous_plan[worker]
         return before - launch_step(fragment, before, self.num_fragments) + now
 
+    def _next_plan(self, mine: float) -> list[int] | None:
+        if self.weighs_in_exchange:  # this worker's own steps, against the fastest member of the round's last exchange
+            planned = plan_round_steps([self.fastest_seconds, mine], self.inner_steps, self.fewest)
+            return None if planned is None else [planned[1]]
+        return plan_round_steps(self._gather_step_seconds(mine), self.inner_steps, self.fewest)
+
     def _gather_step_seconds(self, mine: float) -> list[float]:
         everyone = self._all_gather(torch.tensor([mine], dtype=torch.float64))
         return [float(value) for value in self._per_worker(everyone)[:, 0]]
@@ -291,7 +341,9 @@ class BalancedRounds(_RoundPolicy):
         return torch.stack(rows)
 
 
-def make_round_policy(policy: str, inner_steps: int, num_fragments: int, sync_delay: int, topology: Topology):
+def make_round_policy(
+    policy: str, inner_steps: int, num_fragments: int, sync_delay: int, topology: Topology, elastic: bool = False
+):
     if policy == "balanced":
-        return BalancedRounds(inner_steps, num_fragments, sync_delay, topology)
+        return BalancedRounds(inner_steps, num_fragments, sync_delay, topology, weighs_in_exchange=elastic)
     return StepRounds(inner_steps, num_fragments)

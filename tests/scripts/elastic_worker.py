@@ -6,7 +6,9 @@ The worker's data is its slot's batches (`tests.engine_common.batch_for(slot, st
 worker that joins continues its slot where the job is. With `--stall_at STEP` the exchange launched at that inner
 step first sleeps `--stall_seconds` (after writing `stalling` to its event log), so that the test can kill or stop
 the worker while the others are inside that exchange; with `--wait_at STEP --wait_file F` it waits before that
-inner step until F exists (the test restarts a worker meanwhile). The event log (DIR/events_<replica>.jsonl) gets a line per
+inner step until F exists (the test restarts a worker meanwhile). With `--rounds R` it runs until R outer rounds are
+done instead of `--steps`; with `--paced_seconds S` every inner step lasts S seconds (2 S with `--slowed`) whatever
+the machine's load. The event log (DIR/events_<replica>.jsonl) gets a line per
 inner step and per exchange; DIR/final_<replica>.pt holds θg and the membership summary at the end.
 """
 
@@ -48,6 +50,10 @@ def main() -> None:
     parser.add_argument("--stall_at", type=int, default=0)
     parser.add_argument("--stall_seconds", type=float, default=0.0)
     parser.add_argument("--step_seconds", type=float, default=0.0)
+    parser.add_argument("--round_policy", default="steps")
+    parser.add_argument("--rounds", type=int, default=0)
+    parser.add_argument("--paced_seconds", type=float, default=0.0)
+    parser.add_argument("--slowed", action="store_true")
     parser.add_argument("--wait_at", type=int, default=0)
     parser.add_argument("--wait_file", default=None)
     cli = parser.parse_args()
@@ -74,6 +80,7 @@ def main() -> None:
         error_feedback=cli.error_feedback,
         compression_block_size=32,
         sync_timeout_seconds=cli.sync_timeout,
+        round_policy=cli.round_policy,
     )
     membership = TorchftMembership(
         cli.lighthouse,
@@ -113,15 +120,27 @@ def main() -> None:
 
     engine.exchange.delay_seconds = stall
     exchanges = 0
-    while engine.inner_step < cli.steps:
+
+    def running() -> bool:
+        return engine.outer_rounds < cli.rounds if cli.rounds else engine.inner_step < cli.steps
+
+    while running():
         if cli.wait_at and engine.inner_step == cli.wait_at:  # until the test has restarted a worker, at most 120 s
             deadline = time.monotonic() + 120
             while not Path(cli.wait_file).exists() and time.monotonic() < deadline:
                 time.sleep(0.1)
+        began = time.perf_counter()
         inner_step(model, optimizer, cli.slot, engine.inner_step)
         time.sleep(cli.step_seconds)
+        paced = cli.paced_seconds * (2 if cli.slowed else 1)
+        time.sleep(max(0.0, paced - (time.perf_counter() - began)))
+        rounds = engine.outer_rounds
         engine.step()
         event(kind="step", step=engine.inner_step)
+        if engine.outer_rounds > rounds:
+            metrics = engine.metrics()
+            event(kind="round", step=engine.inner_step, rounds=engine.outer_rounds,
+                  round_steps=metrics.get("diloco/round_steps"), wait_fraction=metrics.get("diloco/wait_fraction"))  # fmt: skip
         while exchanges < len(engine.elastic.log.rounds):
             entry = engine.elastic.log.rounds[exchanges]
             event(kind="exchange", theta_g=digest(globals_now()), **entry)
