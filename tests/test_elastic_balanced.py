@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from hf_diloco.core.round_policy import RoundClock
 from tests.engine_common import batch_for, tiny_model
 from tests.test_elastic import ElasticJob, assert_same_global
 
@@ -90,8 +91,9 @@ def test_a_slow_worker_lost_under_balanced_rejoins_and_is_measured_again(job):
     restarted, the slow worker heals, runs H steps in its first round (not measured yet), then H/2, and both end with
     the same θg."""
     rounds, go = 6, job.out / "restarted"
-    lost_at = 2 * H  # the fast worker's second exchange; the slow worker's is at H + H/2
-    common = [*BALANCED, "--rounds", str(rounds), "--start_workers", "2", "--sync_timeout", "10"]
+    lost_at = 2 * H  # the fast worker's second round's last exchange; the slow worker's is at H + H/2
+    # Two fragments: the joiner may come in mid-round, and close() syncs fragment 0's tail, weighted.
+    common = [*BALANCED, "--fragments", "2", "--rounds", str(rounds), "--start_workers", "2", "--sync_timeout", "10"]
     job.start(0, *common, "--wait_at", str(lost_at + 2), "--wait_file", str(go))
     victim = job.start(1, *common, "--slowed", "--stall_at", str(H + H // 2), "--stall_seconds", "60")
     job.wait_for("worker1", lambda e: e["kind"] == "stalling")
@@ -100,7 +102,7 @@ def test_a_slow_worker_lost_under_balanced_rejoins_and_is_measured_again(job):
     victim.wait()
     job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
     restarted = time.time()
-    job.start(1, *BALANCED, "--rounds", str(rounds), "--slowed", "--min_workers", "1")
+    job.start(1, *BALANCED, "--fragments", "2", "--rounds", str(rounds), "--slowed", "--min_workers", "1")
     job.wait_for("worker1", lambda e: e["kind"] == "bound" and e["time"] > restarted, timeout=120)
     go.touch()
     codes = job.finish(timeout=180)
@@ -113,5 +115,21 @@ def test_a_slow_worker_lost_under_balanced_rejoins_and_is_measured_again(job):
     after = [event for event in rounds_of(job, "worker1") if event["time"] > joined["time"]]
     assert [event["round_steps"] for event in after][:2] == [H, H // 2], after
     assert after[-1]["rounds"] == rounds  # it ends at the job's round, counted from the peer it healed from
-    later = [entry for step, entry in survivor.items() if step > joined["step"]]
+    later = [entry for step, entry in survivor.items() if step > joined["step"] + H]
     assert later and all(entry["contributors"] == 2 for entry in later)
+    tails = [entry for entry in job.final("worker0")["rounds"] if entry["final"]]
+    assert [(entry["fragment"], entry["contributors"]) for entry in tails] == [(0, 2)]  # fragment 1 ended the round
+
+
+def test_at_a_rounds_end_every_elastic_worker_syncs_the_same_tails_without_asking():
+    """Under membership nobody knows the others' tails: at a round's end all but the last fragment, else all."""
+    from hf_diloco.core.round_policy import BalancedRounds
+    from hf_diloco.core.topology import Topology
+
+    policy = BalancedRounds(8, 2, 0, Topology.single_process(), weighs_in_exchange=True)
+    assert policy.tail_scales(0) == [None, None]
+    for step in range(1, 9):
+        policy.launches(step)
+        policy.end_round_if_due(step, RoundClock())
+        assert policy.tail_scales(step) == ([1.0, None] if step == 8 else [1.0, 1.0]), step
+    assert policy.launch_weights == [4, 8] and policy.launch_scale(0) == 1.0  # all since the start, each

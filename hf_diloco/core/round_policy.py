@@ -19,8 +19,8 @@ computed from plans: each worker knows its own plan only, and the exchange weigh
 one all-gather of (contributes, steps since the fragment's last launch, median step time) per member replaces the
 contributor count, each worker scales its Δ by C w_m / Σ w, and the round's last exchange tells every member the
 fastest member's step time, from which each plans its own next round. A worker that joins runs H steps in its first
-round (nothing of it is measured yet) and is planned from then on; at `close()` every worker syncs every fragment,
-weighing its own tail (0 where it has none).
+round (nothing of it is measured yet) and is planned from then on; at `close()` every worker syncs the same
+fragments (`tail_scales`), weighing its own tail (0 where it has none).
 
 Fragment p of P launches at local step (p + 1) h_w // P of a round (the order and spacing of Streaming DiLoCo as
 fractions of each worker's round); with τ > 0, h_w >= P (τ + 1) keeps a fragment's exchange applied before the next
@@ -242,10 +242,17 @@ class BalancedRounds(_RoundPolicy):
 
     def tail_scales(self, step: int) -> list[float | None]:
         """`close()`: M w_m / Σ w per fragment from every worker's steps since the fragment's last launch (one small
-        all-gather of P numbers per rank; None where no worker trained it since: no worker syncs it). Where the
-        exchange weighs (elastic), every fragment, 1.0: nobody knows the others' tails, so everyone syncs all."""
+        all-gather of P numbers per rank; None where no worker trained it since: no worker syncs it).
+
+        Where the exchange weighs (elastic) nobody knows the others' tails, so the rule must give every worker the
+        same fragments without asking: at a round's end (where a loop ending at `outer_rounds` stops, on every
+        worker at once) every fragment but the last, whose launch ended the round, so no worker has a tail of it;
+        elsewhere every fragment, each worker weighing its own tail (0 where it has none); at step 0, none."""
         if self.weighs_in_exchange:
-            return [1.0] * self.num_fragments
+            if step == 0:
+                return [None] * self.num_fragments
+            at_round_end = step == self.round_start
+            return [None if at_round_end and p == self.num_fragments - 1 else 1.0 for p in range(self.num_fragments)]
         tails = [self.steps_since_launch(p, step) for p in range(self.num_fragments)]
         mine = torch.tensor(tails, dtype=torch.float64)
         everyone = self._all_gather(mine)
