@@ -21,11 +21,14 @@ LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
 SITES = ["site-a", "site-b"]
 
 
-def run_sites(tmp_path: Path, die_at: dict[str, int] | None = None) -> tuple[list[int], dict[str, str]]:
+def run_sites(
+    tmp_path: Path, die_at: dict[str, int] | None = None, round_policy: str = "steps"
+) -> tuple[list[int], dict[str, str]]:
     """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step); their exit codes and
     logs."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    env["ROUND_POLICY"] = round_policy
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
     command = [str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "60000", "--bind", f"127.0.0.1:{port}"]
@@ -47,8 +50,9 @@ def run_sites(tmp_path: Path, die_at: dict[str, int] | None = None) -> tuple[lis
     return codes, {site: (tmp_path / f"{site}.log").read_text() for site in SITES}
 
 
-def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_path):
-    codes, logs = run_sites(tmp_path)
+@pytest.mark.parametrize("round_policy", ["steps", "balanced"])
+def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_path, round_policy):
+    codes, logs = run_sites(tmp_path, round_policy=round_policy)
     assert codes == [0, 0], logs
     a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
     assert a["global"].keys() == b["global"].keys()

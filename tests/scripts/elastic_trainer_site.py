@@ -3,7 +3,8 @@
 
     python tests/scripts/elastic_trainer_site.py LIGHTHOUSE SITE SLOT OUT [DIE_AT_STEP]
 
-With DIE_AT_STEP the process dies (no clean-up, as a lost machine) at the end of that Trainer step.
+With DIE_AT_STEP the process dies (no clean-up, as a lost machine) at the end of that Trainer step. The environment's
+ROUND_POLICY (default `steps`) is the run's `round_policy`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def main() -> None:
             start_workers=2,
             min_workers_timeout=60,
             membership_sync_timeout=20,
+            round_policy=os.environ.get("ROUND_POLICY", "steps"),
         )
     )
     # Each site its own data (a different seed) and its own initial weights: the first group makes them start alike.
