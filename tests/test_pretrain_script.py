@@ -22,6 +22,7 @@ import yaml
 
 from hf_diloco.cli.pretrain_arguments import parse_command_line
 from hf_diloco.job_config import shipped_config_names, shipped_config_text
+from tests.cpu_limit import CpuLimit, children_with_environment, cpu_limit_available
 from tests.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -483,3 +484,41 @@ def test_every_shipped_config_parses(name):
     command_line = parse_command_line(["--config", name, "--use_cpu"])
     assert command_line.args.output_dir == f"outputs/{name}"
     assert command_line.auto_resume is True
+
+
+@pytest.mark.skipif(not cpu_limit_available(), reason="capping one site's CPU needs root and a cgroup cpu controller")
+@pytest.mark.timeout(300)
+def test_pretrain_with_a_site_at_half_a_cpu_keeps_the_other_busy(tmp_path):
+    """Two workers, the second capped by the kernel to half a CPU (a site on slower hardware), `round_policy:
+    balanced`: the slow worker runs fewer steps per round and the fast one waits far less than half of each round
+    (under `steps` it waits about half: 0.46-0.60 a round measured here, against 0.02-0.40 with `balanced`)."""
+    path = _small_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["training"].update(max_steps=48, logging_steps=8, eval_steps=24, save_steps=24)
+    config["diloco"].update(inner_steps=8, round_policy="balanced")
+    path.write_text(yaml.safe_dump(config))
+    output_dir = tmp_path / "out"
+    limit, process = CpuLimit(0.5), None
+    try:
+        process = _start(
+            _torchrun(2) + [str(SCRIPT), "--config", str(path), "--output_dir", str(output_dir), "--use_cpu"]
+        )
+        deadline = time.monotonic() + 60
+        while not (slow := children_with_environment(process.pid, "RANK", "1")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert slow, "torchrun started no rank 1"
+        limit.add(slow[0])  # seconds of imports and set-up before its first step: it is capped from the start
+        result = _finish(process, 240)
+    finally:
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        limit.close()
+    assert result.returncode == 0, result.stderr[-5000:]
+    steps = json.loads((output_dir / "checkpoint-48" / "diloco_worker_steps.json").read_text())[
+        "inner_steps_per_worker"
+    ]
+    assert steps[0] == 48 and steps[1] <= 0.85 * 48, steps
+    state = json.loads((output_dir / "checkpoint-48" / "trainer_state.json").read_text())
+    waits = [entry["diloco/wait_fraction"] for entry in state["log_history"] if "diloco/wait_fraction" in entry]
+    assert len(waits) == 6 and sum(waits[1:]) / 5 < 0.4, waits  # rank 0 (the fast worker) logs each round
