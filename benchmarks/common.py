@@ -203,7 +203,7 @@ def _ddp_counting_hook(counter: dict, world: int):
     return hook
 
 
-def _all_reduce_gradients(model: torch.nn.Module, world: int) -> int:
+def all_reduce_gradients(model: torch.nn.Module, world: int) -> int:
     """Average the gradients over all ranks, as DDP does; returns the bytes a ring all-reduce sends per rank."""
     sent = 0
     for param in model.parameters():
@@ -288,7 +288,7 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         loss = trained(input_ids=ids, labels=ids).loss
         loss.backward()
         if step <= ddp_steps:
-            counter["bytes"] += _all_reduce_gradients(model, world)
+            counter["bytes"] += all_reduce_gradients(model, world)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()

@@ -1,4 +1,5 @@
-"""Unequal sites: 2 workers, one slowed to 1/k of the other's speed, `round_policy: steps` against `balanced`.
+"""Unequal sites: 2 workers, one slowed to 1/k of the other's speed, `round_policy: steps` against `balanced`, and
+data-parallel training (DDP: the gradients all-reduced after every step) as the synchronous reference.
 
     python -m benchmarks.unequal_sites                      # k = 2 and 4, seeds 0-4, the `--long` regime's model
     python -m benchmarks.unequal_sites --slowdowns 2 --seeds 0
@@ -7,13 +8,15 @@
 The model, data and optimizer are those of `benchmarks.quality --long` (229 k parameters, the stdlib corpus), DiLoCo
 with H = 50 and its short-run outer optimizer. Every run trains the same number of tokens in total over the two
 workers (the regime's budget), the learning rate a cosine over the job's tokens so far (both workers', the same
-figure on each at every step of a round: the finished rounds' steps plus the round's share of its planned steps). Worker 1 is slowed by sleeping (k - 1) times as long as each of its steps took, so its
-speed is 1/k of worker 0's whatever the machine's load; worker 0 is not slowed.
+figure on each at every step of a round: the finished rounds' steps plus the round's share of its planned steps). Worker 1 is
+slowed by sleeping, after each backward pass, (k - 1) times as long as its forward and backward took, so its speed
+is 1/k of worker 0's whatever the machine's load (under DDP before the all-reduce, which then waits for it); worker 0
+is not slowed.
 
 For each k the table gives, per policy: the fast worker's wait fraction (the engine's share of a round's wall time,
-`diloco/wait_fraction`, mean over rounds 3 onwards), the job's tokens per second (all tokens / wall time), and the
+`diloco/wait_fraction`, mean over rounds 3 onwards; for DDP the all-reduce's share of the run's wall time), the job's tokens per second (all tokens / wall time), and the
 eval loss of θg at the end against the equal-speed run (`steps`, k = 1; under `steps` the slowdown changes only the
-time, not the loss: the computation is the same). Writes benchmarks/results/unequal_sites.{md,json}.
+time, not the loss: the computation is the same; so does DDP's, whose loss gap is against the same reference). Writes benchmarks/results/unequal_sites.{md,json}.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 from benchmarks.common import (
     REGIMES,
     RESULTS_DIR,
+    all_reduce_gradients,
     command_line,
     cosine_schedule,
     evaluate,
@@ -42,6 +46,7 @@ from benchmarks.common import (
 )
 
 H = 50
+POLICIES = ("steps", "balanced", "ddp")
 OUTER = {"outer_lr": 0.5, "outer_momentum": 0.5}
 
 
@@ -72,41 +77,55 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
     spec = {"config": {**DEFAULT_MODEL_CONFIG, **json.loads(settings.model)}}
     model = build_model(spec, data["vocab"], *data["ids"], seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.1, betas=(0.9, 0.95))
-    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=inner_steps, round_policy=policy, **OUTER))
+    ddp = policy == "ddp"
+    config = DiLoCoConfig(inner_steps=inner_steps, round_policy="steps" if ddp else policy, **OUTER)
+    engine = None if ddp else DiLoCo(model, optimizer, config)
     total_steps = settings.token_budget // (settings.batch_size * settings.block_size)  # over both workers
     schedule = cosine_schedule(total_steps // world, settings.warmup)  # over a worker's steps at equal speed
     shard = data["train"][rank::world]
     slowed = rank == 1
-    waits, step, job_steps = [], 0, 0
+    waits, step, job_steps, all_reduce_seconds = [], 0, 0, 0.0
     started = time.perf_counter()
     while job_steps < total_steps:
         began = time.perf_counter()
         for group in optimizer.param_groups:
-            group["lr"] = settings.lr * schedule(round(_job_steps(engine, world) / world))
+            group["lr"] = settings.lr * schedule(step if ddp else round(_job_steps(engine, world) / world))
         index = torch.arange(step * settings.batch_size, (step + 1) * settings.batch_size) % len(shard)
         ids = shard[index]
         model(input_ids=ids, labels=ids).loss.backward()
+        if slowed:  # before the all-reduce under DDP, so that the fast worker waits for the slow one's step
+            time.sleep((slowdown - 1) * (time.perf_counter() - began))
+        if ddp:
+            reduce_began = time.perf_counter()
+            all_reduce_gradients(model, world)
+            all_reduce_seconds += time.perf_counter() - reduce_began
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
         step += 1
-        if slowed:
-            time.sleep((slowdown - 1) * (time.perf_counter() - began))
+        if ddp:
+            job_steps = world * step
+            continue
         rounds = engine.outer_rounds
         engine.step()
         if engine.outer_rounds > rounds:
             waits.append(engine.metrics()["diloco/wait_fraction"])
             job_steps = _job_steps(engine, world)  # the same on both: the job stops at the same round everywhere
-    engine.close()
     seconds = time.perf_counter() - started
-    with engine.global_weights():
-        eval_loss = evaluate(model, data["eval"])
+    if ddp:
+        eval_loss, wait = evaluate(model, data["eval"]), all_reduce_seconds / seconds
+    else:
+        engine.close()
+        seconds = time.perf_counter() - started
+        with engine.global_weights():
+            eval_loss = evaluate(model, data["eval"])
+        wait = statistics.mean(waits[2:]) if len(waits) > 2 else float("nan")
     return {
         "eval_loss": eval_loss,
         "seconds": seconds,
         "inner_steps": step,
-        "rounds": engine.outer_rounds,
-        "wait_fraction": statistics.mean(waits[2:]) if len(waits) > 2 else float("nan"),
+        "rounds": 0 if ddp else engine.outer_rounds,
+        "wait_fraction": wait,
         "tokens": step * settings.batch_size * settings.block_size,
     }
 
@@ -137,7 +156,7 @@ def _table(runs: list[dict], slowdowns: list[float]) -> str:
         f"{equal_speed:,.0f} | 1.00x | (reference) |"
     )
     for slowdown in slowdowns:
-        for policy in ("steps", "balanced"):
+        for policy in POLICIES:
             chosen = [r for r in runs if r["slowdown"] == slowdown and r["policy"] == policy]
             if not chosen:
                 continue
@@ -167,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         for seed in seeds:
             runs.append(_run("steps", 1, seed, folder, args.quick))
             for slowdown in slowdowns:
-                for policy in ("steps", "balanced"):
+                for policy in POLICIES:
                     runs.append(_run(policy, slowdown, seed, folder, args.quick))
                     print(json.dumps(runs[-1]), file=sys.stderr)
     table = _table(runs, slowdowns)
