@@ -23,4 +23,8 @@ def test_quick_run_compares_the_policies_at_equal_tokens(tmp_path, capsys):
     assert slow < fast and fast + slow >= 80  # the slowed worker ran fewer steps; the job the same tokens or more
     table = out.with_suffix(".md").read_text()
     assert table.startswith("`python -m benchmarks.unequal_sites --quick")
-    assert "| 1/2 | balanced |" in table and "| 1/2 | ddp |" in table and table.split("\n\n", 1)[1].strip() in capsys.readouterr().out
+    assert (
+        "| 1/2 | balanced |" in table
+        and "| 1/2 | ddp |" in table
+        and table.split("\n\n", 1)[1].strip() in capsys.readouterr().out
+    )

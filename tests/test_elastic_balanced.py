@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from hf_diloco.core.round_policy import RoundClock
+from tests.elastic_common import ElasticJob, assert_same_global
 from tests.engine_common import batch_for, tiny_model
-from tests.test_elastic import ElasticJob, assert_same_global
 
 H, ROUNDS, PACED_SECONDS = 8, 5, 0.15
 INNER_LR, OUTER_LR, MOMENTUM = 0.05, 0.7, 0.9  # the worker script's SGD and the config's outer defaults
