@@ -4,6 +4,8 @@ data-parallel training (DDP: the gradients all-reduced after every step) as the 
     python -m benchmarks.unequal_sites                      # k = 2 and 4, seeds 0-4, the `--long` regime's model
     python -m benchmarks.unequal_sites --slowdowns 2 --seeds 0
     python -m benchmarks.unequal_sites --quick --out /tmp/unequal   # seconds: H = 10, 80 steps, 50 files
+    python -m benchmarks.unequal_sites --link_mbit 20 --slowdowns 2 --seeds 0,1,2 --policies steps,balanced \
+        --out benchmarks/results/unequal_sites_link                  # over a 20 Mbit/s link (root: namespaces)
 
 The model, data and optimizer are those of `benchmarks.quality --long` (229 k parameters, the stdlib corpus), DiLoCo
 with H = 50 and its short-run outer optimizer. Every run trains the same number of tokens in total over the two
@@ -14,9 +16,15 @@ is 1/k of worker 0's whatever the machine's load (under DDP before the all-reduc
 is not slowed.
 
 For each k the table gives, per policy: the fast worker's wait fraction (the engine's share of a round's wall time,
-`diloco/wait_fraction`, mean over rounds 3 onwards; for DDP the all-reduce's share of the run's wall time), the job's tokens per second (all tokens / wall time), and the
-eval loss of θg at the end against the equal-speed run (`steps`, k = 1; under `steps` the slowdown changes only the
-time, not the loss: the computation is the same; so does DDP's, whose loss gap is against the same reference). Writes benchmarks/results/unequal_sites.{md,json}.
+`diloco/wait_fraction`, mean over rounds 3 onwards; for DDP the all-reduce's share of the run's wall time), the
+job's tokens per second (all tokens / wall time), and the eval loss of θg at the end against the equal-speed run
+(`steps`, k = 1). Under `steps` the slowdown changes only the time, not the loss: the computation is the same (so
+does DDP's; its loss gap is against the same reference). Writes benchmarks/results/unequal_sites.{md,json}.
+
+With `--link_mbit R` the two workers run in two network namespaces joined by a veth pair limited to R Mbit/s each
+way (`benchmarks/netns.py`, `tc ... tbf`; needs root), gloo over the veth addresses only, so every exchange crosses
+a slow link as between two sites; the table then also gives each run's wall-clock seconds for the job's tokens.
+The equal-speed reference runs over the same link.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,9 +140,13 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
     }
 
 
-def _run(policy: str, slowdown: float, seed: int, folder: str, quick: bool) -> dict:
-    fast, slow = run_on_workers(_worker, 2, policy, slowdown, seed, folder, quick)
+def _run(policy: str, slowdown: float, seed: int, folder: str, quick: bool, link=None) -> dict:
+    if link is None:
+        fast, slow = run_on_workers(_worker, 2, policy, slowdown, seed, folder, quick)
+    else:
+        fast, slow = _run_over_link(link, policy, slowdown, seed, folder, quick)
     return {
+        "seconds": max(fast["seconds"], slow["seconds"]),
         "policy": policy,
         "slowdown": slowdown,
         "seed": seed,
@@ -144,19 +158,67 @@ def _run(policy: str, slowdown: float, seed: int, folder: str, quick: bool) -> d
     }
 
 
-def _table(runs: list[dict], slowdowns: list[float]) -> str:
+LINK_PORT = 29500  # inside the benchmark's own namespaces: it cannot collide with anything on the machine
+
+
+def _run_over_link(link, policy: str, slowdown: float, seed: int, folder: str, quick: bool) -> list[dict]:
+    """Both workers of one run, each a process in its namespace, gloo over the rate-limited veth pair."""
+    job = json.dumps([policy, slowdown, seed, folder, quick])
+    processes = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR=link.addresses[0], MASTER_PORT=str(LINK_PORT), RANK=str(rank))
+        env.update(WORLD_SIZE="2", GLOO_SOCKET_IFNAME=link.devices[rank], OMP_NUM_THREADS="1")
+        command = [*link.exec_prefix(rank), sys.executable, "-m", "benchmarks.unequal_sites", "--link_worker", job]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True))
+    results = []
+    try:
+        for process in processes:
+            output, _ = process.communicate(timeout=3600)
+            if process.returncode != 0:
+                raise RuntimeError(f"a worker over the link ended with exit status {process.returncode}")
+            results.append(json.loads(output.strip().splitlines()[-1]))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def _link_worker(job: str) -> None:
+    """One worker inside its namespace: the gloo group over the veth addresses, then `_worker`; its result on stdout."""
+    import datetime
+
+    import torch.distributed as dist
+
+    policy, slowdown, seed, folder, quick = json.loads(job)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    try:
+        result = _worker(dist.get_rank(), 2, policy, slowdown, seed, folder, quick)
+    finally:
+        dist.destroy_process_group()
+    print(json.dumps(result), flush=True)
+
+
+def _table(runs: list[dict], slowdowns: list[float], policies: list[str], with_seconds: bool = False) -> str:
     reference = {run["seed"]: run for run in runs if run["slowdown"] == 1}
+    header = "| slowdown | policy | fast worker's wait | job tokens / s | vs equal speed | loss gap (mean ± s.e.) |"
     lines = [
-        "| slowdown | policy | fast worker's wait | job tokens / s | vs equal speed | loss gap (mean ± s.e.) |",
-        "|---|---|---|---|---|---|",
+        header + (" wall s |" if with_seconds else ""),
+        "|---|---|---|---|---|---|" + ("---|" if with_seconds else ""),
     ]
+
+    def seconds(chosen: list[dict]) -> str:
+        return f" {statistics.mean(r['seconds'] for r in chosen):.0f} |" if with_seconds else ""
+
     equal_speed = statistics.mean(run["tokens_per_second"] for run in reference.values())
     lines.append(
         f"| 1 | steps | {statistics.mean(r['fast_wait_fraction'] for r in reference.values()):.1%} | "
-        f"{equal_speed:,.0f} | 1.00x | (reference) |"
+        f"{equal_speed:,.0f} | 1.00x | (reference) |{seconds(list(reference.values()))}"
     )
     for slowdown in slowdowns:
-        for policy in POLICIES:
+        for policy in policies:
             chosen = [r for r in runs if r["slowdown"] == slowdown and r["policy"] == policy]
             if not chosen:
                 continue
@@ -166,6 +228,7 @@ def _table(runs: list[dict], slowdowns: list[float]) -> str:
             lines.append(
                 f"| 1/{slowdown:g} | {policy} | {statistics.mean(r['fast_wait_fraction'] for r in chosen):.1%} | "
                 f"{speed:,.0f} | {speed / equal_speed:.2f}x | {statistics.mean(gaps):+.2f}% ± {error:.2f} |"
+                + seconds(chosen)
             )
     return "\n".join(lines)
 
@@ -176,20 +239,38 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--out", default=f"{RESULTS_DIR}/unequal_sites")
     parser.add_argument("--quick", action="store_true", help="A few seconds per run (a smoke test, not a result).")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="Of " + ", ".join(POLICIES) + ".")
+    parser.add_argument("--link_mbit", type=float, help="Run both workers over a veth link of this rate (root).")
+    parser.add_argument("--link_worker", help=argparse.SUPPRESS)  # internal: one worker inside its namespace
     args = parser.parse_args(argv)
+    if args.link_worker:
+        _link_worker(args.link_worker)
+        return {}
+    policies = [policy for policy in args.policies.split(",") if policy]
+    if set(policies) - set(POLICIES):
+        parser.error(f"--policies: choose from {', '.join(POLICIES)}")
     slowdowns = [float(value) for value in args.slowdowns.split(",")]
     seeds = [int(value) for value in args.seeds.split(",")]
     settings, _ = _settings(args.quick)
-    runs = []
-    with tempfile.TemporaryDirectory() as folder:
-        prepare_data(Path(folder), settings.block_size, settings.train_files, settings.vocab_size)
-        for seed in seeds:
-            runs.append(_run("steps", 1, seed, folder, args.quick))
-            for slowdown in slowdowns:
-                for policy in POLICIES:
-                    runs.append(_run(policy, slowdown, seed, folder, args.quick))
-                    print(json.dumps(runs[-1]), file=sys.stderr)
-    table = _table(runs, slowdowns)
+    runs, link = [], None
+    if args.link_mbit:
+        from benchmarks.netns import SlowLink
+
+        link = SlowLink.create()
+        link.set_rate(args.link_mbit)
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            prepare_data(Path(folder), settings.block_size, settings.train_files, settings.vocab_size)
+            for seed in seeds:
+                runs.append(_run("steps", 1, seed, folder, args.quick, link))
+                for slowdown in slowdowns:
+                    for policy in policies:
+                        runs.append(_run(policy, slowdown, seed, folder, args.quick, link))
+                        print(json.dumps(runs[-1]), file=sys.stderr)
+    finally:
+        if link is not None:
+            link.destroy()
+    table = _table(runs, slowdowns, policies, with_seconds=link is not None)
     result = {"command": command_line("unequal_sites", argv), "runs": runs}
     write_results(args.out, result, f"`{result['command']}`\n\n{table}\n")
     return result
