@@ -191,6 +191,7 @@ def test_a_plugin_loop_ends_at_a_round_and_resumes_from_a_round_bitwise(tmp_path
     assert fast["outer_rounds"] == slow["outer_rounds"] == 4
     assert fast["steps_per_round"] == [H] * 4 and slow["steps_per_round"] == [H] + [H // 2] * 3
     assert (fast["inner_step"], slow["inner_step"]) == (4 * H, H + 3 * H // 2)
+    assert max(fast["wait_fractions"][2:]) <= 0.1, fast["wait_fractions"]  # about half of round 1, before the plan
     for name, value in fast["global"].items():
         assert torch.equal(value, slow["global"][name]), name
     resumed = _plugin_loop(tmp_path / "resumed", 4, "--resume", str(tmp_path / "straight" / "round-2"))
@@ -212,11 +213,19 @@ def _trainer_run(rank: int, world: int, out_dir: str, resume: bool) -> dict:
     from tests.engine_common import cpu_trainer_args, tiny_llama
 
     class HalfSpeedOnRankOne(TrainerCallback):
+        def __init__(self):
+            self.waits: list[float] = []  # the engine's share of each round's wall time, at the round's end
+            self.trainer = None
+
         def on_train_begin(self, args, state, control, **kwargs):
-            self.began = time.perf_counter()
+            self.began, self.rounds = time.perf_counter(), None
 
         def on_step_end(self, args, state, control, **kwargs):  # from one step's end to the next
             self.began = pace(self.began, slowed=rank == 1)
+            engine = self.trainer.diloco
+            if self.rounds is not None and engine.outer_rounds > self.rounds:
+                self.waits.append(engine.metrics()["diloco/wait_fraction"])
+            self.rounds = engine.outer_rounds
 
     ids = torch.randint(0, 128, (256, 16), generator=torch.Generator().manual_seed(1234)).tolist()
     data = Dataset.from_dict({"input_ids": ids, "labels": ids})
@@ -226,10 +235,11 @@ def _trainer_run(rank: int, world: int, out_dir: str, resume: bool) -> dict:
     args = DiLoCoTrainingArguments(
         **common, inner_steps=H, round_policy="balanced", outer_lr=1.0, outer_momentum=0.0, sync_timeout_seconds=60
     )
+    pacing = HalfSpeedOnRankOne()
     trainer = DiLoCoTrainer(
-        model=tiny_llama(128, layers=2, max_positions=16), args=args, train_dataset=data,
-        callbacks=[HalfSpeedOnRankOne()],
+        model=tiny_llama(128, layers=2, max_positions=16), args=args, train_dataset=data, callbacks=[pacing],
     )  # fmt: skip
+    pacing.trainer = trainer
     trainer.train(resume_from_checkpoint=str(Path(out_dir) / f"checkpoint-{2 * H}") if resume else None)
     engine = trainer.diloco
     return {
@@ -240,6 +250,7 @@ def _trainer_run(rank: int, world: int, out_dir: str, resume: bool) -> dict:
         "global": {name: value.clone() for name, value in engine.global_parameters().items()},
         "losses": [entry["loss"] for entry in trainer.state.log_history if "loss" in entry],
         "checkpoints": sorted(path.name for path in Path(out_dir).glob("checkpoint-*")),
+        "wait_fractions": list(pacing.waits),
     }
 
 
@@ -255,6 +266,9 @@ def test_the_trainer_counts_the_runs_position_and_resumes_a_balanced_run_bitwise
     assert fast["learning_rate"] == slow["learning_rate"]
     assert fast["checkpoints"] == [f"checkpoint-{2 * H}", f"checkpoint-{4 * H}"]
     assert len(slow["losses"]) == slow["inner_step"]  # logged at each of its own steps, never twice
+    # Rounds 3 and 4 (round 1 runs H everywhere, before anything is measured); round 2 ends at a checkpoint, which
+    # both write, the slow worker at half speed.
+    assert len(fast["wait_fractions"]) == 4 and max(fast["wait_fractions"][2:]) <= 0.1, fast["wait_fractions"]
     for name, value in fast["global"].items():
         assert torch.equal(value, slow["global"][name]), name
     steps_file = tmp_path / f"checkpoint-{2 * H}" / "diloco_worker_steps.json"

@@ -39,6 +39,7 @@ def main() -> None:
         accelerator.load_state(args.resume)
     slowed = accelerator.process_index == 1
     steps_per_round: list[int] = []  # this worker's steps in each round this process completed
+    waits: list[float] = []  # the engine's share of each such round's wall time
     completed = plugin.outer_rounds
     while plugin.outer_rounds < args.rounds:
         for batch in accelerator.skip_first_batches(loader, plugin.inner_step % len(loader)):
@@ -50,6 +51,7 @@ def main() -> None:
             if plugin.outer_rounds > completed:
                 completed = plugin.outer_rounds
                 steps_per_round.append(int(plugin.metrics()["diloco/round_steps"]))
+                waits.append(float(plugin.metrics()["diloco/wait_fraction"]))
                 if completed == args.save_at_round:  # a round's end: the same point on every worker
                     accelerator.save_state(Path(args.out) / f"round-{completed}")
             if completed == args.rounds:
@@ -59,6 +61,7 @@ def main() -> None:
         "inner_step": plugin.inner_step,
         "outer_rounds": plugin.outer_rounds,
         "steps_per_round": steps_per_round,
+        "wait_fractions": waits,
         "global": {name: value.clone() for name, value in plugin.global_parameters().items()},
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
