@@ -28,9 +28,11 @@ H = 8
 ROUNDS = 5
 
 
-def _config(policy: str) -> DiLoCoConfig:
+def _config(policy: str, **extra) -> DiLoCoConfig:
     # Outer lr 1 without momentum: θg <- θg - avg, so the test's own average predicts θg exactly.
-    return DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, round_policy=policy, sync_timeout_seconds=60)
+    return DiLoCoConfig(
+        inner_steps=H, outer_lr=1.0, outer_momentum=0.0, round_policy=policy, sync_timeout_seconds=60, **extra
+    )
 
 
 def _timed_step(model, optimizer, rank: int, step: int) -> None:
@@ -48,13 +50,13 @@ def _global_vector(engine: DiLoCo) -> torch.Tensor:
     return torch.cat([values[name].reshape(-1) for name, _ in engine.model.named_parameters()])
 
 
-def _run(rank: int, world: int, policy: str, resume_at: int | None = None) -> dict:
+def _run(rank: int, world: int, policy: str, resume_at: int | None = None, extra: dict | None = None) -> dict:
     """ROUNDS rounds; per round this worker's θm at its launch, θg before and after, its steps and wait fraction. With
     `resume_at`, the engine is saved after that many inner steps and a new one continues from the saved state."""
     torch.manual_seed(0)
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-    engine = DiLoCo(model, optimizer, _config(policy))
+    engine = DiLoCo(model, optimizer, _config(policy, **(extra or {})))
     rounds: list[dict] = []
     start = _global_vector(engine)
     step = 0
@@ -116,6 +118,32 @@ def test_balanced_rounds_keep_the_fast_worker_busy_and_weight_the_average_by_ste
     assert fast_steps["steps_per_round"] == [None] * ROUNDS  # no per-worker plan under `steps`
     waits = [record["wait_fraction"] for record in fast_steps["rounds"][2:]]
     assert sum(waits) / len(waits) >= 0.3, waits  # it waits about half of every round for the slow worker
+
+
+def _bf16(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.bfloat16).to(torch.float32)
+
+
+@pytest.mark.timeout(180)
+def test_error_feedback_under_balanced_keeps_the_residual_in_the_workers_own_units():
+    """bf16 with error feedback, one worker at half speed: each worker sends bf16(c (Δ + ρ)), c = M w / Σ w, keeps
+    ρ = (c (Δ + ρ) - sent) / c, and θg takes bf16 of the mean of what was sent (the exchange's second encode), as the
+    reference here computes it round by round from each worker's own θm; both end with the same θg."""
+    fast, slow = run_on_processes(_run, 2, "balanced", None, {"compression": "bf16", "error_feedback": True})
+    assert slow["steps_per_round"] == [H] + [H // 2] * (ROUNDS - 1)
+    residuals = [torch.zeros_like(fast["final"]), torch.zeros_like(fast["final"])]
+    for index, rounds in enumerate(zip(fast["rounds"], slow["rounds"])):
+        weights = (H, H if index == 0 else H // 2)
+        sent = []
+        for worker, record in enumerate(rounds):
+            scale = 2 * weights[worker] / sum(weights)
+            scaled = scale * (record["start"] - record["local"] + residuals[worker])
+            sent.append(_bf16(scaled))
+            residuals[worker] = (scaled - sent[-1]) / scale
+        expected = rounds[0]["start"] - _bf16((sent[0] + sent[1]) / 2)
+        for record in rounds:
+            torch.testing.assert_close(record["global"], expected, rtol=0, atol=1e-6, msg=f"round {index + 1}")
+    assert torch.equal(fast["final"], slow["final"])
 
 
 @pytest.mark.timeout(180)
