@@ -3,6 +3,7 @@ data-parallel training (DDP: the gradients all-reduced after every step) as the 
 
     python -m benchmarks.unequal_sites                      # k = 2 and 4, seeds 0-4, the `--long` regime's model
     python -m benchmarks.unequal_sites --slowdowns 2 --seeds 0
+    python -m benchmarks.unequal_sites --slowdowns 2 --policies steps,ddp --out benchmarks/results/unequal_sites_ddp
     python -m benchmarks.unequal_sites --quick --out /tmp/unequal   # seconds: H = 10, 80 steps, 50 files
     python -m benchmarks.unequal_sites --link_mbit 20 --slowdowns 2 --seeds 0,1,2 --policies steps,balanced \
         --out benchmarks/results/unequal_sites_link                  # over a 20 Mbit/s link (root: namespaces)
@@ -11,9 +12,9 @@ The model, data and optimizer are those of `benchmarks.quality --long` (229 k pa
 with H = 50 and its short-run outer optimizer. Every run trains the same number of tokens in total over the two
 workers (the regime's budget), the learning rate a cosine over the job's tokens so far (both workers', the same
 figure on each at every step of a round: the finished rounds' steps plus the round's share of its planned steps). Worker 1 is
-slowed by sleeping, after each backward pass, (k - 1) times as long as its forward and backward took, so its speed
-is 1/k of worker 0's whatever the machine's load (under DDP before the all-reduce, which then waits for it); worker 0
-is not slowed.
+slowed by sleeping (k - 1) times as long as each of its steps took, so its speed is 1/k of worker 0's whatever the
+machine's load (under DDP (k - 1) times its forward and backward, before the all-reduce, which then waits for it);
+worker 0 is not slowed.
 
 For each k the table gives, per policy: the fast worker's wait fraction (the engine's share of a round's wall time,
 `diloco/wait_fraction`, mean over rounds 3 onwards; for DDP the all-reduce's share of the run's wall time), the
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
         index = torch.arange(step * settings.batch_size, (step + 1) * settings.batch_size) % len(shard)
         ids = shard[index]
         model(input_ids=ids, labels=ids).loss.backward()
-        if slowed:  # before the all-reduce under DDP, so that the fast worker waits for the slow one's step
+        if ddp and slowed:  # before the all-reduce, which the fast worker then waits in
             time.sleep((slowdown - 1) * (time.perf_counter() - began))
         if ddp:
             reduce_began = time.perf_counter()
@@ -116,6 +117,8 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
         if ddp:
             job_steps = world * step
             continue
+        if slowed:
+            time.sleep((slowdown - 1) * (time.perf_counter() - began))
         rounds = engine.outer_rounds
         engine.step()
         if engine.outer_rounds > rounds:
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", default="0,1,2,3,4")
     parser.add_argument("--out", default=f"{RESULTS_DIR}/unequal_sites")
     parser.add_argument("--quick", action="store_true", help="A few seconds per run (a smoke test, not a result).")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="Of " + ", ".join(POLICIES) + ".")
+    parser.add_argument("--policies", default="steps,balanced", help="Of " + ", ".join(POLICIES) + ".")
     parser.add_argument("--link_mbit", type=float, help="Run both workers over a veth link of this rate (root).")
     parser.add_argument("--link_worker", help=argparse.SUPPRESS)  # internal: one worker inside its namespace
     args = parser.parse_args(argv)

@@ -10,7 +10,9 @@ from benchmarks import unequal_sites
 @pytest.mark.timeout(400)
 def test_quick_run_compares_the_policies_at_equal_tokens(tmp_path, capsys):
     out = tmp_path / "unequal"
-    unequal_sites.main(["--quick", "--slowdowns", "2", "--seeds", "0", "--out", str(out)])
+    unequal_sites.main(
+        ["--quick", "--slowdowns", "2", "--seeds", "0", "--policies", "steps,balanced,ddp", "--out", str(out)]
+    )
     runs = {(run["policy"], run["slowdown"]): run for run in json.loads(out.with_suffix(".json").read_text())["runs"]}
     assert set(runs) == {("steps", 1), ("steps", 2), ("balanced", 2), ("ddp", 2)}
     # Under `steps` the slowdown changes only the time: the same computation, the same loss.
