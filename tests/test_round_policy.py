@@ -219,7 +219,6 @@ def test_a_plugin_loop_ends_at_a_round_and_resumes_from_a_round_bitwise(tmp_path
     assert fast["outer_rounds"] == slow["outer_rounds"] == 4
     assert fast["steps_per_round"] == [H] * 4 and slow["steps_per_round"] == [H] + [H // 2] * 3
     assert (fast["inner_step"], slow["inner_step"]) == (4 * H, H + 3 * H // 2)
-    assert max(fast["wait_fractions"][2:]) <= 0.1, fast["wait_fractions"]  # about half of round 1, before the plan
     for name, value in fast["global"].items():
         assert torch.equal(value, slow["global"][name]), name
     resumed = _plugin_loop(tmp_path / "resumed", 4, "--resume", str(tmp_path / "straight" / "round-2"))
@@ -294,9 +293,6 @@ def test_the_trainer_counts_the_runs_position_and_resumes_a_balanced_run_bitwise
     assert fast["learning_rate"] == slow["learning_rate"]
     assert fast["checkpoints"] == [f"checkpoint-{2 * H}", f"checkpoint-{4 * H}"]
     assert len(slow["losses"]) == slow["inner_step"]  # logged at each of its own steps, never twice
-    # Rounds 3 and 4 (round 1 runs H everywhere, before anything is measured); round 2 ends at a checkpoint, which
-    # both write, the slow worker at half speed.
-    assert len(fast["wait_fractions"]) == 4 and max(fast["wait_fractions"][2:]) <= 0.1, fast["wait_fractions"]
     for name, value in fast["global"].items():
         assert torch.equal(value, slow["global"][name]), name
     steps_file = tmp_path / f"checkpoint-{2 * H}" / "diloco_worker_steps.json"
