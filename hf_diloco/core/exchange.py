@@ -51,7 +51,7 @@ from .codecs import COMPRESSIONS, Codec, check_output_vector, coding_pool
 from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
 from .shard import ShardLayout
-from .topology import Topology
+from .topology import Topology, gather_rows
 
 # What crosses workers, and in which collectives. Workers check at start that they agree on it; bump it whenever an
 # exchange changes its collectives or payload layout. 2: the all-gather is an all_to_all, optional entropy coding.
@@ -437,13 +437,8 @@ class _ExchangeJob:
         outer = self.outer
         weight = float(outer.weight) if outer.contributes else 0.0
         mine = torch.tensor([float(outer.contributes), weight, outer.step_seconds], dtype=torch.float64)
-        if outer.size == 1 or outer.group is None:
-            everyone = mine.unsqueeze(0)
-        else:
-            parts = [torch.empty_like(mine) for _ in range(outer.size)]
-            dist.all_gather(parts, mine, group=outer.group)
-            everyone = torch.stack(parts)
-            self.sent += (outer.size - 1) * mine.nbytes
+        everyone = gather_rows(mine, outer.group, outer.size)
+        self.sent += (everyone.shape[0] - 1) * mine.nbytes
         contributes, weights, seconds = everyone.unbind(dim=1)
         self.contributors = int(contributes.sum())
         total = float(weights.sum())
@@ -471,10 +466,8 @@ class _ExchangeJob:
         if outer.size == 1 or outer.group is None:
             return False
         norm = self._norm().reshape(1)
-        norms = [torch.zeros_like(norm) for _ in range(outer.size)]
-        dist.all_gather(norms, norm, group=outer.group)
+        norms_tensor = gather_rows(norm, outer.group, outer.size).reshape(-1)
         self.sent += (outer.size - 1) * norm.nbytes
-        norms_tensor = torch.cat(norms)
         if not bool(torch.isfinite(norms_tensor).all()):
             return False  # a non-finite contribution poisons the average; the engine skips that round everywhere
         bound = self.exchange.clip_factor * float(norms_tensor.median())  # lower median: meaningful for M = 2 too

@@ -35,10 +35,9 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from .fragments import fragments_launched_at, steps_since_launch
-from .topology import Topology
+from .topology import Topology, gather_rows
 
 
 class RoundClock:
@@ -255,7 +254,7 @@ class BalancedRounds(_RoundPolicy):
             return [None if at_round_end and p == self.num_fragments - 1 else 1.0 for p in range(self.num_fragments)]
         tails = [self.steps_since_launch(p, step) for p in range(self.num_fragments)]
         mine = torch.tensor(tails, dtype=torch.float64)
-        everyone = self._all_gather(mine)
+        everyone = gather_rows(mine, self.topology.control_group)
         per_worker = self._per_worker(everyone)
         total = per_worker.sum(dim=0)
         index = self.topology.worker_index
@@ -327,16 +326,8 @@ class BalancedRounds(_RoundPolicy):
         return plan_round_steps(self._gather_step_seconds(mine), self.inner_steps, self.fewest)
 
     def _gather_step_seconds(self, mine: float) -> list[float]:
-        everyone = self._all_gather(torch.tensor([mine], dtype=torch.float64))
+        everyone = gather_rows(torch.tensor([mine], dtype=torch.float64), self.topology.control_group)
         return [float(value) for value in self._per_worker(everyone)[:, 0]]
-
-    def _all_gather(self, mine: torch.Tensor) -> torch.Tensor:
-        group = self.topology.control_group
-        if group is None:  # one process: nothing to agree with
-            return mine.unsqueeze(0)
-        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, mine, group=group)
-        return torch.stack(parts)
 
     def _per_worker(self, by_rank: torch.Tensor) -> torch.Tensor:
         """Rows by rank (the control group's order, every rank of the job) -> rows by worker, combining a worker's

@@ -15,6 +15,7 @@ import gc
 import weakref
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -184,6 +185,18 @@ class Topology:
                 if rank in ranks:
                     groups[name] = group
         return cls(layout, rank, groups)
+
+
+def gather_rows(mine: torch.Tensor, group: dist.ProcessGroup | None, size: int | None = None) -> torch.Tensor:
+    """Every member's `mine` (a small 1-D tensor), stacked in the group's rank order; `mine` alone as one row
+    without a group (one process: nothing to gather). `size`: the group's size, where the group is not one
+    torch.distributed knows (a torchft quorum's)."""
+    size = (dist.get_world_size(group) if size is None else size) if group is not None else 1
+    if size == 1:
+        return mine.unsqueeze(0)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine, group=group)
+    return torch.stack(parts)
 
 
 def _backend_for(group_name: str) -> str:
