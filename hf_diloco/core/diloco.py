@@ -31,7 +31,7 @@ from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig, refuse_unsupported
 from .devices import local_device
 from .elastic import ElasticRounds, Membership
-from .exchange import OuterExchange
+from .exchange import OuterExchange, PendingExchange
 from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
@@ -298,15 +298,7 @@ class DiLoCo:
             self.elastic.launch(fragment, delta)
             return
         scale = self.round_policy.weigh(delta, fragment.index)  # `balanced`: this worker's share by its steps
-        pending = self.exchange.launch(
-            delta.cpu(),
-            self._description("outer sync", fragment),
-            blocking=self.overlap.blocking,
-            compressor=fragment.compressor,
-            context=self._launch_context(fragment),
-            layout=fragment.values.layout,
-            out=fragment.average_buffer(),
-        )
+        pending = self._send(fragment, delta, "outer sync", blocking=self.overlap.blocking)
         flight = InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta, scale=scale)
         self.overlap.launched(fragment, flight)
 
@@ -315,21 +307,23 @@ class DiLoCo:
             self.elastic.tail(fragment, delta)
             return
         delta = delta * scale if scale != 1.0 else delta
-        pending = self.exchange.launch(
+        pending = self._send(fragment, delta, "final outer sync", blocking=True)
+        record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta, scale=scale))
+        fragment.write_local(fragment.theta_g)
+        self.rounds.publish(record)
+
+    def _send(self, fragment: Fragment, delta: torch.Tensor, what: str, blocking: bool) -> PendingExchange:
+        """Launch the exchange of one fragment's pseudo-gradient, its average decoded into the fragment's buffer."""
+        peers = self.topology.outer_peers()
+        return self.exchange.launch(
             delta.cpu(),
-            self._description("final outer sync", fragment),
-            blocking=True,
+            f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {peers}",
+            blocking=blocking,
             compressor=fragment.compressor,
             context=self._launch_context(fragment),
             layout=fragment.values.layout,
             out=fragment.average_buffer(),
         )
-        record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta, scale=scale))
-        fragment.write_local(fragment.theta_g)
-        self.rounds.publish(record)
-
-    def _description(self, what: str, fragment: Fragment) -> str:
-        return f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {self.topology.outer_peers()}"
 
     def _launch_context(self, fragment: Fragment) -> dict:
         """What an adaptive policy needs to know about this launch (how much compute the exchange can hide behind)."""

@@ -522,43 +522,9 @@ class _ExchangeJob:
         return full[:numel], residual
 
     def _decide(self) -> dict:
-        """The policy's choice on the outer group's first rank, broadcast so that every rank uses the same one."""
-        ex, topo, compressor = self.exchange, self.exchange.topology, self.compressor
-        observation = Observation(
-            step=int(self.context.get("step", 0)),
-            rank=compressor.rank,
-            compression=compressor.compression,
-            link_bytes_per_second=ex.assumed_link_bytes_per_second or ex.link_bytes_per_second,
-            step_seconds=self.context.get("step_seconds"),
-            overlap_steps=int(self.context.get("overlap_steps", 0)),
-            captured_energy=compressor.captured_energy,
-            bytes_of=lambda rank, name: round(
-                ex.coded_share.get(name, 1.0)
-                * sum(ex.wire_bytes(n, ex.codec_named(name)) for n in compressor.vector_lengths(rank))
-            ),
-        )
-        choice = ex.policy.choose(observation)
-        decision = torch.tensor([choice.rank, COMPRESSIONS.index(choice.compression)], dtype=torch.int64)
-        decider = topo.layout.rank_at(0, 0, topo.stage_index)
-        if topo.num_workers > 1 and topo.outer_group is not None:
-            root = topo.outer_peers()[0]
-            dist.broadcast(decision, src=root, group=topo.outer_group)
-            self.sent += (topo.num_workers - 1) * decision.nbytes if topo.rank == root else 0
-        if topo.data_parallel_size > 1 and topo.data_parallel_sync_group is not None:
-            root = topo.layout.rank_at(topo.worker_index, 0, topo.stage_index)
-            dist.broadcast(decision, src=root, group=topo.data_parallel_sync_group)
-            self.intra += (topo.data_parallel_size - 1) * decision.nbytes if topo.rank == root else 0
-        rank, name = int(decision[0]), COMPRESSIONS[int(decision[1])]
-        reason = choice.reason if topo.rank == decider else f"decided by rank {decider}"
-        record = {
-            "step": observation.step,
-            "fragment": self.context.get("fragment"),
-            "rank": rank,
-            "compression": name,
-            "reason": reason,
-        }
-        ex.choices.append(record)
-        return record
+        choice, sent, intra = decide_compression(self.exchange, self.compressor, self.context)
+        self.sent, self.intra = self.sent + sent, self.intra + intra
+        return choice
 
     def _average_across_workers(
         self, shard: torch.Tensor, codec: Codec, out: torch.Tensor | None = None
@@ -642,6 +608,48 @@ class _ExchangeJob:
         gathered = torch.empty(topo.data_parallel_size * shard.numel(), dtype=shard.dtype)
         dist.all_gather(list(gathered.chunk(topo.data_parallel_size)), shard, group=topo.data_parallel_sync_group)
         return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
+
+
+def decide_compression(ex: OuterExchange, compressor: LowRankCompressor, context: dict) -> tuple[dict, int, int]:
+    """The policy's choice on the outer group's first rank, broadcast so that every rank uses the same one, and the
+    bytes the broadcasts sent from this rank across workers and inside its worker."""
+    topo = ex.topology
+    sent = intra = 0
+    observation = Observation(
+        step=int(context.get("step", 0)),
+        rank=compressor.rank,
+        compression=compressor.compression,
+        link_bytes_per_second=ex.assumed_link_bytes_per_second or ex.link_bytes_per_second,
+        step_seconds=context.get("step_seconds"),
+        overlap_steps=int(context.get("overlap_steps", 0)),
+        captured_energy=compressor.captured_energy,
+        bytes_of=lambda rank, name: round(
+            ex.coded_share.get(name, 1.0)
+            * sum(ex.wire_bytes(n, ex.codec_named(name)) for n in compressor.vector_lengths(rank))
+        ),
+    )
+    choice = ex.policy.choose(observation)
+    decision = torch.tensor([choice.rank, COMPRESSIONS.index(choice.compression)], dtype=torch.int64)
+    decider = topo.layout.rank_at(0, 0, topo.stage_index)
+    if topo.num_workers > 1 and topo.outer_group is not None:
+        root = topo.outer_peers()[0]
+        dist.broadcast(decision, src=root, group=topo.outer_group)
+        sent += (topo.num_workers - 1) * decision.nbytes if topo.rank == root else 0
+    if topo.data_parallel_size > 1 and topo.data_parallel_sync_group is not None:
+        root = topo.layout.rank_at(topo.worker_index, 0, topo.stage_index)
+        dist.broadcast(decision, src=root, group=topo.data_parallel_sync_group)
+        intra += (topo.data_parallel_size - 1) * decision.nbytes if topo.rank == root else 0
+    rank, name = int(decision[0]), COMPRESSIONS[int(decision[1])]
+    reason = choice.reason if topo.rank == decider else f"decided by rank {decider}"
+    record = {
+        "step": observation.step,
+        "fragment": context.get("fragment"),
+        "rank": rank,
+        "compression": name,
+        "reason": reason,
+    }
+    ex.choices.append(record)
+    return record, sent, intra
 
 
 _LENGTH_BYTES = 8  # one int64 payload length per peer and all_to_all, with entropy coding
