@@ -175,7 +175,7 @@ def steps_for_budget(args: argparse.Namespace, workers: int) -> int:
 
 def prepare_data(folder: Path, block_size: int, train_files: int = 200, vocab_size: int = 4096) -> dict:
     """Train a tokenizer on the stdlib corpus and write its token blocks to `folder/data.pt` for the workers."""
-    from hf_diloco.data import build_tokenizer, load_text_dataset, tokenize_and_group
+    from hf_diloco.job.data import build_tokenizer, load_text_dataset, tokenize_and_group
 
     raw = load_text_dataset({"max_train_samples": train_files, "max_eval_samples": 12})
     tokenizer = build_tokenizer({"vocab_size": vocab_size}, raw["train"]["text"])
@@ -260,7 +260,7 @@ def train_worker(
 
 def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model
+    from hf_diloco.job.modeling import DEFAULT_MODEL_CONFIG, build_model
 
     data = torch.load(Path(folder) / "data.pt")
     spec = {"config": {**DEFAULT_MODEL_CONFIG, **json.loads(args.model)}} if args.model else None

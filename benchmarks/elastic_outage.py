@@ -192,8 +192,8 @@ class Loopback:
 
 def build_model(seed: int, layers: int, vocab: int, sequence: int) -> torch.nn.Module:
     """The default model of `scripts/pretrain.py` with `layers` blocks, randomly initialised from `seed`."""
-    from hf_diloco.modeling import DEFAULT_MODEL_CONFIG
-    from hf_diloco.modeling import build_model as build_from_spec
+    from hf_diloco.job.modeling import DEFAULT_MODEL_CONFIG
+    from hf_diloco.job.modeling import build_model as build_from_spec
 
     config = dict(DEFAULT_MODEL_CONFIG, num_hidden_layers=layers)
     config["max_position_embeddings"] = max(sequence, config["max_position_embeddings"])

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> list[dict] | list[str]:
 
 def config_method(name_or_path: str) -> str:
     """The `benchmarks.comm` spec of a config's `diloco:` section: `diloco` with every setting it names, 2 workers."""
-    from hf_diloco.job_config import read_config
+    from hf_diloco.job.config_file import read_config
 
     section = read_config(name_or_path).section("diloco")
     settings = ",".join(

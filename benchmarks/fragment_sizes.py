@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from hf_diloco.config import FRAGMENT_PATTERNS
+from hf_diloco.core.config import FRAGMENT_PATTERNS
 
 
 def decoder(model_type: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, tied: bool):

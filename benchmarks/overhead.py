@@ -23,7 +23,7 @@ WARMUP_STEPS = 10  # not timed: the first steps build caches and allocate
 
 
 def build_data(num_blocks: int, block_size: int):
-    from hf_diloco.data import build_tokenizer, load_text_dataset, tokenize_and_group
+    from hf_diloco.job.data import build_tokenizer, load_text_dataset, tokenize_and_group
 
     raw = load_text_dataset({"max_train_samples": 60, "max_eval_samples": 2})
     tokenizer = build_tokenizer({"vocab_size": 4096}, raw["train"]["text"])
@@ -60,7 +60,7 @@ def run_once(use_diloco: bool, tokenizer, blocks, steps: int, inner_steps: int, 
     from transformers import Trainer, TrainingArguments, default_data_collator
 
     from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
-    from hf_diloco.modeling import build_model
+    from hf_diloco.job.modeling import build_model
 
     common = dict(
         output_dir=out_dir,

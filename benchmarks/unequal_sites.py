@@ -81,7 +81,7 @@ def _settings(quick: bool) -> tuple[argparse.Namespace, int]:
 
 def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, folder: str, quick: bool) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.modeling import DEFAULT_MODEL_CONFIG, build_model
+    from hf_diloco.job.modeling import DEFAULT_MODEL_CONFIG, build_model
 
     settings, inner_steps = _settings(quick)
     data = torch.load(Path(folder) / "data.pt")

@@ -179,7 +179,7 @@ def build_token_blocks(path: Path, num_train: int, num_eval: int, seq_len: int, 
     blocks cut from other files, as a flat uint8 file of `(num_train + num_eval) x seq_len` tokens."""
     import random
 
-    from hf_diloco.data import stdlib_corpus_files
+    from hf_diloco.job.data import stdlib_corpus_files
 
     files = stdlib_corpus_files()
     random.Random(seed).shuffle(files)

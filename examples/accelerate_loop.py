@@ -21,8 +21,7 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_diloco import DiLoCoPlugin
-from hf_diloco.model_card import write_model_card
+from hf_diloco import DiLoCoPlugin, write_model_card
 
 VOCAB, SEQ = 128, 16
 

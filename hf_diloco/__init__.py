@@ -1,6 +1,6 @@
 """hf_diloco: DiLoCo, Streaming DiLoCo and DiLoCoX for Hugging Face causal LMs over slow links."""
 
-from .config import DiLoCoConfig
+from .core.config import DiLoCoConfig
 
 __all__ = [
     "DiLoCoConfig",
@@ -12,6 +12,9 @@ __all__ = [
     "DiLoCoPlugin",
     "TorchftMembership",
     "MinWorkersTimeout",
+    "write_model_card",
+    "push_folder_to_hub",
+    "init_process_group_for_restart",
 ]
 
 _LAZY = {
@@ -23,6 +26,9 @@ _LAZY = {
     "worker_mesh": ("parallel.fsdp", "worker_mesh"),
     "TorchftMembership": ("core.torchft_membership", "TorchftMembership"),
     "MinWorkersTimeout": ("core.elastic", "MinWorkersTimeout"),
+    "write_model_card": ("publish.model_card", "write_model_card"),
+    "push_folder_to_hub": ("publish.hub", "push_folder_to_hub"),
+    "init_process_group_for_restart": ("integrations.launch", "init_process_group_for_restart"),
 }
 
 

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_diloco.config import DiLoCoConfig
 from hf_diloco.core import adaptive, codecs, exchange
-from hf_diloco.core.config import check_known_keys
+from hf_diloco.core.config import DiLoCoConfig, check_known_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 

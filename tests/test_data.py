@@ -1,4 +1,4 @@
-"""Tests of the main job's data and model building blocks (hf_diloco.data, hf_diloco.modeling)."""
+"""Tests of the main job's data and model building blocks (hf_diloco.job.data, hf_diloco.job.modeling)."""
 
 import json
 import sysconfig
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from hf_diloco.data import (
+from hf_diloco.job.data import (
     EOS_TOKEN,
     build_tokenizer,
     check_enough_blocks,
@@ -24,7 +24,7 @@ from hf_diloco.data import (
     tokenizer_fingerprint,
     train_bpe_tokenizer,
 )
-from hf_diloco.modeling import (
+from hf_diloco.job.modeling import (
     DEFAULT_MODEL_CONFIG,
     build_model,
     build_model_config,

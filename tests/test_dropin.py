@@ -24,7 +24,7 @@ from safetensors.torch import load, load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
-from hf_diloco.model_card import has_diloco_tag
+from hf_diloco.publish.model_card import has_diloco_tag
 from tests.dist_utils import free_port
 from tests.test_hub import fake_hub, loopback_only  # noqa: F401 - the local fake Hub and the no-network guard
 

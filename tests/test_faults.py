@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_diloco.checkpointing import (
+from hf_diloco.integrations.atomic_checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     CheckpointSaveError,
@@ -140,7 +140,7 @@ def test_checkpoint_to_resume_starts_fresh_only_where_no_checkpoint_exists(tmp_p
     assert "--output_dir" in message and "--auto_resume false" in message
     good = _fake_checkpoint(tmp_path / "checkpoint-4")
     write_manifest(good)
-    with caplog.at_level(logging.WARNING, logger="hf_diloco.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="hf_diloco.integrations.atomic_checkpoints"):
         assert checkpoint_to_resume(tmp_path) == str(good)
     assert "checkpoint-8" in caplog.text and "checkpoint-12" in caplog.text and "kept as it is" in caplog.text
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hf_diloco.global_points import (
+from hf_diloco.integrations.global_points import (
     PeerTimeoutError,
     SettingsMismatchError,
     check_ranks_agree,

@@ -35,7 +35,7 @@ def _model() -> torch.nn.Module:
 def _pipelined_start(rank: int, world: int, out: str) -> dict:
     from datasets import Dataset
 
-    from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
+    from hf_diloco.integrations.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 
     os.environ["LOCAL_RANK"] = "0"  # one GPU: both stages on cuda:0, each process with its own allocator counts
     torch.cuda.set_device(0)

@@ -13,9 +13,9 @@ import yaml
 from safetensors.torch import save_file
 
 from hf_diloco.cli import push
-from hf_diloco.config import DiLoCoConfig
-from hf_diloco.hub import ensure_model_card, files_to_publish, push_folder_to_hub
-from hf_diloco.model_card import write_model_card
+from hf_diloco.core.config import DiLoCoConfig
+from hf_diloco.publish.hub import ensure_model_card, files_to_publish, push_folder_to_hub
+from hf_diloco.publish.model_card import write_model_card
 
 pytestmark = pytest.mark.timeout(120)
 

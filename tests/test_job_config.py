@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_diloco.job_config import parse_bool_option, read_config_file
+from hf_diloco.job.config_file import parse_bool_option, read_config_file
 
 
 def test_a_valid_file_is_read(tmp_path):

@@ -6,8 +6,8 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from hf_diloco.config import DiLoCoConfig
-from hf_diloco.model_card import (
+from hf_diloco.core.config import DiLoCoConfig
+from hf_diloco.publish.model_card import (
     communication_summary,
     ddp_allreduce_bytes,
     has_diloco_tag,

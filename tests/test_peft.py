@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_diloco.model_card import has_diloco_tag
+from hf_diloco.publish.model_card import has_diloco_tag
 from tests.test_dropin import DILOCO, STEPS, H, _best_step, _params, _run
 
 PeftModel = pytest.importorskip("peft", reason="LoRA needs the peft extra: pip install 'hf_diloco[peft]'").PeftModel

@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from benchmarks import pipeline_families as families
-from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
+from hf_diloco.integrations.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.engine_common import cpu_trainer_args
 from tests.pipeline_grid import run_grid
 

@@ -15,9 +15,9 @@ from datasets import Dataset
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
+from hf_diloco.integrations.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
+from hf_diloco.integrations.trainer.pipeline_stages import SafetensorsFolder
 from hf_diloco.parallel.pipeline import PipelineRunner
-from hf_diloco.pipeline_trainer import SafetensorsFolder
-from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.engine_common import cpu_trainer_args, tiny_llama
 from tests.pipeline_grid import run_grid
 from tests.placement_recorder import module_bytes, record_placements

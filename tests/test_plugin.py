@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from examples.accelerate_loop import build_model, random_token_rows
 from hf_diloco import DiLoCoConfig, DiLoCoPlugin
-from hf_diloco.model_card import has_diloco_tag
+from hf_diloco.publish.model_card import has_diloco_tag
 from tests.dist_utils import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -268,7 +268,7 @@ def test_shuffled_loader_gets_the_seedable_sampler(torchrun_loop):
 
 @pytest.mark.timeout(300)
 def test_accelerate_path_never_imports_transformers(tmp_path):
-    """`import hf_diloco.accelerate_plugin` and a plugin loop (DDP inside a worker of 2 processes, save_state and
+    """`from hf_diloco import DiLoCoPlugin` and a plugin loop (DDP inside a worker of 2 processes, save_state and
     load_state) in processes where `import transformers` fails: they train, save and never ask for it."""
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [

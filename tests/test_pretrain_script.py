@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from hf_diloco.cli.pretrain_arguments import parse_command_line
-from hf_diloco.job_config import shipped_config_names, shipped_config_text
+from hf_diloco.job.config_file import shipped_config_names, shipped_config_text
 from tests.cpu_limit import CpuLimit, children_with_environment, cpu_limit_available
 from tests.dist_utils import free_port
 
@@ -320,7 +320,7 @@ def test_a_crash_after_the_final_checkpoint_saves_the_final_model_without_traini
 def test_a_damaged_final_model_is_reported_never_overwritten(one_process, tmp_path):
     """A finished run whose final model.safetensors is truncated: the main job's check before it saves the final
     model again names the file and the way out; an absent or intact file passes."""
-    from hf_diloco.checkpointing import CheckpointError, refuse_a_damaged_final_model
+    from hf_diloco.integrations.atomic_checkpoints import CheckpointError, refuse_a_damaged_final_model
 
     output_dir = tmp_path / "damaged"
     shutil.copytree(one_process[0], output_dir)

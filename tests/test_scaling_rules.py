@@ -54,7 +54,7 @@ def _parse(tmp_path, flags: list[str], environ: dict[str, str] | None = None, tr
     import yaml
 
     from hf_diloco.cli.pretrain_arguments import parse_command_line
-    from hf_diloco.job_config import shipped_config_text
+    from hf_diloco.job.config_file import shipped_config_text
 
     config = yaml.safe_load(shipped_config_text("tiny_diloco"))
     config["training"].update(training or {})
@@ -68,7 +68,7 @@ def test_auto_in_the_config_flags_and_variables_resolves_from_the_model(tmp_path
     """`auto` from the YAML (learning_rate), a flag (per_device_train_batch_size) and a variable (outer_lr) becomes
     the laws' value for the model the job builds, stated with its source, at start-up."""
     from hf_diloco.cli.auto_settings import resolve_auto_values
-    from hf_diloco.modeling import build_model
+    from hf_diloco.job.modeling import build_model
 
     parsed = _parse(
         tmp_path,
@@ -99,7 +99,7 @@ def test_auto_with_the_ddp_baseline_is_refused_before_any_work(tmp_path):
 
     import yaml
 
-    from hf_diloco.job_config import shipped_config_text
+    from hf_diloco.job.config_file import shipped_config_text
 
     config = yaml.safe_load(shipped_config_text("tiny_ddp"))
     config["training"]["learning_rate"] = "auto"

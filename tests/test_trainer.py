@@ -24,8 +24,8 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_diloco.config import DiLoCoConfig
-from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
+from hf_diloco.core.config import DiLoCoConfig
+from hf_diloco.integrations.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import free_port, run_on_processes
 from tests.engine_common import assert_resumed_bitwise, cpu_trainer_args, tiny_llama
 
@@ -126,7 +126,7 @@ def test_bad_value_fails_before_any_process_group_work(tmp_path):
     code = textwrap.dedent(
         f"""
         import torch.distributed as dist
-        from hf_diloco.trainer import DiLoCoTrainingArguments
+        from hf_diloco.integrations.trainer import DiLoCoTrainingArguments
         try:
             DiLoCoTrainingArguments(output_dir={str(tmp_path)!r}, inner_steps=6, num_fragments=4)
         except ValueError as error:
@@ -483,7 +483,7 @@ def test_short_run_warns_about_outer_momentum_memory(tmp_path, caplog):
         args = DiLoCoTrainingArguments(
             **_common_args(tmp_path / f"{momentum}", max_steps=max_steps), inner_steps=2, outer_momentum=momentum
         )
-        with caplog.at_level(logging.WARNING, logger="hf_diloco.trainer"):
+        with caplog.at_level(logging.WARNING, logger="hf_diloco.integrations.trainer"):
             DiLoCoTrainer(model=_tiny_model(), args=args, train_dataset=_dataset()).train()
         return [r.getMessage() for r in caplog.records if "outer_momentum" in r.getMessage()]
 

@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM
 
+from hf_diloco.integrations.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from hf_diloco.integrations.worker_fsdp import WorkerFSDPSettings, full_state_dict
-from hf_diloco.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import run_on_processes
 from tests.engine_common import assert_resumed_bitwise, cpu_trainer_args, tiny_llama
 from tests.placement_recorder import module_bytes, record_placements

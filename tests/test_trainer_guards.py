@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_diloco.checkpointing import (
+from hf_diloco.integrations.atomic_checkpoints import (
     MANIFEST_NAME,
     CheckpointError,
     checkpoint_to_resume,

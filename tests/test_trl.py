@@ -69,7 +69,7 @@ def _train(trainer_class, args, tokenizer_dir: Path, callbacks=()) -> dict[int, 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from hf_diloco.data import train_bpe_tokenizer
+    from hf_diloco.job.data import train_bpe_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")
     texts = ["def add(x, y):\n    return x + y\n", "class Point:\n    x: int\n"] * 8

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..core.config import ENV_PREFIX
-from ..job_config import LoadedConfig
+from ..job.config_file import LoadedConfig
 
 AUTO = "auto"
 # The keys that take `auto`, and the section of the config each belongs to.

@@ -7,7 +7,7 @@ import dataclasses
 
 from transformers import TrainingArguments
 
-from ..trainer import DiLoCoTrainingArguments
+from ..integrations.trainer import DiLoCoTrainingArguments
 
 
 @dataclasses.dataclass(repr=False)

@@ -10,7 +10,7 @@ import textwrap
 from collections.abc import Sequence
 
 from ..core.config import DiLoCoConfig
-from ..job_config import shipped_config_names, shipped_config_text
+from ..job.config_file import shipped_config_names, shipped_config_text
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,8 +4,8 @@
     torchrun --nproc_per_node 2 -m hf_diloco pretrain --config tiny_diloco --use_cpu --inner_steps 20
     accelerate launch --cpu scripts/pretrain.py --config path/to/my.yaml          # from a checkout
 
-The YAML sections: `trainer` (diloco | ddp), `model`, `tokenizer`, `data` (see `hf_diloco.data` /
-`hf_diloco.modeling`), `training` (TrainingArguments fields), `diloco` (DiLoCoConfig fields), `auto_resume` (resume
+The YAML sections: `trainer` (diloco | ddp), `model`, `tokenizer`, `data` (see `hf_diloco.job.data` /
+`hf_diloco.job.modeling`), `training` (TrainingArguments fields), `diloco` (DiLoCoConfig fields), `auto_resume` (resume
 from the newest complete checkpoint in `output_dir` when there is one; default true, so a restarted job continues
 where it stopped). `hf-diloco pretrain --help` lists every flag.
 
@@ -29,10 +29,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
+from ..integrations.global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
 from ..integrations.output_lock import hold_output_folder
-from ..job_config import LoadedConfig
-from ..run_summary import check_processes_joined
+from ..integrations.run_summary import check_processes_joined
+from ..job.config_file import LoadedConfig
 from .auto_settings import AutoRequest, resolve_auto_values, say
 from .pretrain_arguments import parse_command_line, where_logs_go
 
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 @dataclasses.dataclass
 class JobGlobalPoints:
     """The job's own moments where every rank meets (the tokenizer, the start-up input check, the end), each bounded:
-    `sync_timeout_seconds` with DiLoCo, `ddp_timeout` with the DDP baseline (see `hf_diloco.global_points`)."""
+    `sync_timeout_seconds` with DiLoCo, `ddp_timeout` with the DDP baseline (see `integrations/global_points.py`)."""
 
     group: dist.ProcessGroup | None
     timeout_seconds: float
@@ -115,7 +115,7 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
     """
     from ..core.topology import RankLayout
     from ..integrations.engine_session import check_one_process_per_site
-    from ..modeling import build_model_config, check_block_size
+    from ..job.modeling import build_model_config, check_block_size
 
     if use_diloco:
         RankLayout(args.world_size, args.pipeline_stages, args.data_parallel_per_worker)
@@ -134,17 +134,17 @@ def train_and_evaluate(
         final model is in the folder already (then nothing is written).
     """
 
-    from ..checkpointing import final_model_matches_checkpoint, refuse_a_damaged_final_model
-    from ..data import (
+    from ..integrations.atomic_checkpoints import final_model_matches_checkpoint, refuse_a_damaged_final_model
+    from ..integrations.trainer import DiLoCoTrainer
+    from ..job.data import (
         check_enough_blocks,
         dataset_fingerprint,
         keep_run_tokenizer,
         set_model_max_length,
         tokenizer_fingerprint,
     )
-    from ..model_card import never_improved
-    from ..modeling import build_model
-    from ..trainer import DiLoCoTrainer
+    from ..job.modeling import build_model
+    from ..publish.model_card import never_improved
 
     tokenizer, blocks = build_datasets(config, args, points)
     model = build_model(
@@ -214,7 +214,7 @@ def build_trainer(config: LoadedConfig, args: Any, model: Any, tokenizer: Any, b
     """`DiLoCoTrainer` (or the plain `Trainer` with `trainer: ddp`) on the packed blocks, scoring perplexity."""
     from transformers import Trainer, default_data_collator
 
-    from ..trainer import DiLoCoTrainer
+    from ..integrations.trainer import DiLoCoTrainer
 
     trainer_class = DiLoCoTrainer if config.trainer == "diloco" else Trainer
     # A pipelined model has logits only on its last stage: it evaluates the loss (its perplexity is exp of it).
@@ -240,7 +240,7 @@ def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
     Load the corpus, fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, kept
     once training starts, then loaded from there at every start) and pack the text into blocks.
     """
-    from ..data import load_or_train_tokenizer, load_text_dataset, tokenize_and_group
+    from ..job.data import load_or_train_tokenizer, load_text_dataset, tokenize_and_group
 
     data_spec = config.section("data")
     raw = load_text_dataset(data_spec)
@@ -327,13 +327,13 @@ def perplexity_hooks():
 def checkpoint_to_resume_from(output_dir: str, use_diloco: bool) -> str | None:
     """
     The checkpoint an `auto_resume` run continues from. DiLoCo: the newest complete one, and a `CheckpointError` when
-    the folder holds checkpoints of which none verifies (see `hf_diloco.checkpointing.checkpoint_to_resume`), so a
+    the folder holds checkpoints of which none verifies (see `integrations/atomic_checkpoints.py`), so a
     run never starts over where an earlier run's state exists. The DDP baseline's checkpoints have no manifest: its
     newest one.
     """
     from transformers.trainer_utils import get_last_checkpoint
 
-    from ..checkpointing import checkpoint_to_resume
+    from ..integrations.atomic_checkpoints import checkpoint_to_resume
 
     if not Path(output_dir).is_dir():
         return None
@@ -361,7 +361,7 @@ def check_resumable(checkpoint: str, args: Any, use_diloco: bool) -> None:
 
 def say_run_finished(args: Any, checkpoint: str) -> None:
     """Tell (on the main process) that `output_dir` holds a finished run that is left as it is, and the ways out."""
-    from ..checkpointing import read_trainer_state
+    from ..integrations.atomic_checkpoints import read_trainer_state
 
     if args.process_index != 0:
         return
@@ -388,7 +388,7 @@ def _say_which_evaluation_is_final(during: list[tuple[Any, float]], last_step: i
 
 def _record_final_model(args: Any, global_step: int) -> None:
     """Record the saved final model in the checkpoint of the last step, the one a re-run of the finished run finds."""
-    from ..checkpointing import MANIFEST_NAME, record_final_model
+    from ..integrations.atomic_checkpoints import MANIFEST_NAME, record_final_model
 
     last = Path(args.output_dir) / f"checkpoint-{global_step}"
     if 0 < args.max_steps <= global_step and (last / MANIFEST_NAME).is_file():
@@ -403,7 +403,7 @@ def _run_finished(checkpoint: str, args: Any, use_diloco: bool) -> bool:
     train one step more: the DDP baseline stops here too. A DiLoCo run finished without its final model goes on to
     the trainer, which saves the model (with the process count that wrote the checkpoint).
     """
-    from ..checkpointing import final_model_matches_checkpoint, read_trainer_state
+    from ..integrations.atomic_checkpoints import final_model_matches_checkpoint, read_trainer_state
 
     if not 0 < args.max_steps <= read_trainer_state(checkpoint).get("global_step", 0):
         return False

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from ..core.config import ENV_PREFIX, DiLoCoConfig, diloco_field_names
-from ..job_config import TRAINERS, LoadedConfig, apply_overrides, parse_bool_option, read_config
+from ..job.config_file import TRAINERS, LoadedConfig, apply_overrides, parse_bool_option, read_config
 from .auto_settings import AutoRequest, refuse_auto_for, take_auto_values
 
 DEFAULT_CONFIG = "tiny_diloco"
@@ -125,7 +125,7 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
     """
     from transformers import HfArgumentParser
 
-    from ..trainer import DiLoCoTrainingArguments
+    from ..integrations.trainer import DiLoCoTrainingArguments
     from .baseline_arguments import BaselineTrainingArguments
 
     use_diloco = trainer == "diloco"

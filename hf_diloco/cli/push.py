@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..hub import files_to_publish, push_folder_to_hub
+from ..publish.hub import files_to_publish, push_folder_to_hub
 
 
 def build_parser() -> argparse.ArgumentParser:

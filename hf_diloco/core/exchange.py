@@ -326,6 +326,12 @@ class OuterExchange:
 
 
 class _ExchangeJob:
+    """One launch's work on the exchange's thread: weigh or count the contributors (elastic), clip an outlier,
+    average (plain, or the two low-rank passes under a policy's choice), and return the `ExchangeResult` with the
+    bytes it sent across workers (`sent`) and inside the worker (`intra`). What it learns for later launches (the
+    link's measured rate, the entropy coder's share, the policy's record) it writes into its `OuterExchange`
+    (`link_bytes_per_second`, `coded_share`, `choices`)."""
+
     def __init__(
         self,
         exchange: OuterExchange,

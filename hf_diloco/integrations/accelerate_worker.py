@@ -22,7 +22,7 @@ from torch import nn
 
 from ..core.config import DiLoCoConfig
 from ..core.topology import Topology
-from ..run_summary import check_processes_joined
+from .run_summary import check_processes_joined
 from .worker_fsdp import holds_shards
 
 ACCELERATE_FSDP_REFUSED = (

@@ -20,8 +20,8 @@ from torch import nn
 from ..core.config import DiLoCoConfig
 from ..core.diloco import DiLoCo
 from ..core.topology import Topology
-from ..monitoring import ComputeUtilization
-from ..run_summary import run_summary
+from .monitoring import ComputeUtilization
+from .run_summary import run_summary
 
 logger = logging.getLogger(__name__)
 

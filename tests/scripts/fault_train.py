@@ -29,7 +29,7 @@ def main() -> None:
     from transformers import TrainerCallback, default_data_collator
 
     from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
-    from hf_diloco.checkpointing import last_complete_checkpoint
+    from hf_diloco.integrations.atomic_checkpoints import last_complete_checkpoint
     from tests.engine_common import tiny_llama
 
     args = DiLoCoTrainingArguments(

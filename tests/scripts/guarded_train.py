@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback, default_data_collator
 
 from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
-from hf_diloco.checkpointing import CheckpointError, CheckpointSaveError, checkpoint_to_resume
-from hf_diloco.global_points import PeerTimeoutError, SettingsMismatchError
+from hf_diloco.integrations.atomic_checkpoints import CheckpointError, CheckpointSaveError, checkpoint_to_resume
+from hf_diloco.integrations.global_points import PeerTimeoutError, SettingsMismatchError
 from tests.engine_common import cpu_trainer_args, tiny_llama
 
 SECRET_TOKEN = "hf_reliabilityTestSecret0123456789"

@@ -28,7 +28,6 @@ from accelerate import Accelerator  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import hf_diloco.accelerate_plugin  # noqa: E402, F401
 from hf_diloco import DiLoCoPlugin  # noqa: E402
 
 VOCAB, SEQ, STEPS, SAVE_AT = 32, 8, 6, 3

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import hf_diloco.cli.pretrain
-import hf_diloco.data
+import hf_diloco.job.data
 from hf_diloco.cli import main
 
-STEPS = {"load_text_dataset": hf_diloco.data, "train_and_evaluate": hf_diloco.cli.pretrain}
+STEPS = {"load_text_dataset": hf_diloco.job.data, "train_and_evaluate": hf_diloco.cli.pretrain}
 
 
 def stalls_on_rank_1(function: Callable[..., Any]) -> Callable[..., Any]:

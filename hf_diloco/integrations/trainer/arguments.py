@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from ...launch import init_process_group_for_restart
+from ..launch import init_process_group_for_restart
 from ..settings import DiLoCoSettings
 
 

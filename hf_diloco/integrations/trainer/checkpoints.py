@@ -6,7 +6,7 @@ optimizer, this rank's parameters and inner optimizer, exchanges in flight), buf
 in all the local parts, so the inner optimizer and grad scaler are stored there only (no `optimizer.pt` /
 `scaler.pt`; with DDP inside a worker the inner optimizer once per worker, `rank_state.py`); `scheduler.pt` holds
 the LR schedule, the same on every rank. A checkpoint counts once its manifest
-is published (`hf_diloco.checkpointing`), and every wait for the other ranks while saving is bounded.
+is published (`hf_diloco.integrations.atomic_checkpoints`), and every wait for the other ranks while saving is bounded.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from transformers.utils import CONFIG_NAME, logging
 
-from ...checkpointing import (
+from ...core.settings_check import describe_changes, saved_values, setting_changes
+from ..architecture import architecture, describe_architecture_change
+from ..atomic_checkpoints import (
     CheckpointError,
     checkpoint_to_resume,
     make_way_for_checkpoint,
@@ -32,9 +34,7 @@ from ...checkpointing import (
     verify_checkpoint,
     write_manifest,
 )
-from ...core.settings_check import describe_changes, saved_values, setting_changes
-from ...global_points import PeerTimeoutError
-from ...modeling import architecture, describe_architecture_change
+from ..global_points import PeerTimeoutError
 from ..rank_state import load_rank_state, rank_state_path, ranks_with_state, save_rank_state
 from .attributes import temporarily_set
 

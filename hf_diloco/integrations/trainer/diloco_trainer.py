@@ -81,7 +81,7 @@ class DiLoCoTrainer(
           CPU and GPU alike; every rank keeps 1/D of the model, its inner optimizer and the outer state. Saving
           gathers the model inside the worker into one normal folder. Not with `pipeline_stages` > 1.
         - With `pipeline_stages` > 1 the trainer built is a `PipelinedDiLoCoTrainer` (of a subclass: the subclass
-          with [`~hf_diloco.pipeline_trainer.PipelineTrainerMixin`] in front): each rank trains, syncs and keeps the
+          with [`~.pipeline_stages.PipelineTrainerMixin`] in front): each rank trains, syncs and keeps the
           state of its own pipeline stage only (`trainer.pipeline_runner.stage_module`; the other stages' parameters
           in `trainer.model` are freed).
     """

@@ -18,8 +18,8 @@ from torch import nn
 from transformers.modelcard import extract_hyperparameters_from_trainer
 from transformers.utils.hub import hf_api
 
-from ...hub import push_folder_to_hub
-from ...model_card import has_diloco_tag, write_model_card
+from ...publish.hub import push_folder_to_hub
+from ...publish.model_card import has_diloco_tag, write_model_card
 
 ALL_RESULTS_NAME = "all_results.json"
 
@@ -79,7 +79,7 @@ class GlobalModel:
         dataset_args: str | list[str] | None = None,
     ) -> None:
         """
-        Write the DiLoCo model card (`hf_diloco.model_card`: the `diloco` tag, the DiLoCo settings, the measured
+        Write the DiLoCo model card (`publish/model_card.py`: the `diloco` tag, the DiLoCo settings, the measured
         communication, the inner hyperparameters, the training log and the evaluation of the saved weights) to
         `output_dir/README.md`, instead of the Trainer's generic card. `push_to_hub` calls it before uploading.
 
@@ -195,7 +195,7 @@ class GlobalModel:
         **kwargs: Any,
     ):
         """
-        `Trainer.push_to_hub`, uploading what a user publishes ([`hf_diloco.hub.files_to_publish`]): the global
+        `Trainer.push_to_hub`, uploading what a user publishes ([`hf_diloco.publish.hub.files_to_publish`]): the global
         weights, config, generation config, tokenizer, the DiLoCo card and the results files; not the checkpoints,
         optimizer, RNG or DiLoCo state or `training_args.bin`.
 

@@ -49,9 +49,9 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from ...global_points import wait_for_all_ranks
 from ...parallel.pipeline import IGNORE_INDEX, PipelineRunner, count_loss_tokens
 from ..accelerate_worker import prepare_without_ddp
+from ..global_points import wait_for_all_ranks
 from .attributes import temporarily_set
 
 

@@ -3,7 +3,7 @@
 The settings that must agree (`settings_that_must_agree`: schedule, seeds, model config, DiLoCo settings, the
 checkpoint resumed from, and what `require_agreement` adds) reach the engine as its `extra_fingerprint`, so the
 engine's start-up check, one all-gather, covers them. Only when that check finds the ranks disagreeing (a
-`ValueError` on every rank alike) do the ranks exchange the settings themselves (`hf_diloco.global_points.
+`ValueError` on every rank alike) do the ranks exchange the settings themselves (`hf_diloco.integrations.global_points.
 check_ranks_agree`), to name what differs and where.
 
 Every other meeting of all ranks (saving a checkpoint, the Trainer's own barrier inside a save, the end of a job) is a
@@ -21,10 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...checkpointing import read_trainer_state
 from ...core import agreement
-from ...global_points import check_ranks_agree, fingerprint, global_point_group, wait_for_all_ranks
-from ...modeling import architecture
+from ..architecture import architecture
+from ..atomic_checkpoints import read_trainer_state
+from ..global_points import check_ranks_agree, fingerprint, global_point_group, wait_for_all_ranks
 
 
 class RankAgreement:
@@ -37,7 +37,7 @@ class RankAgreement:
         Add a setting that must be equal on every rank to the start-of-training check (for example the main job's
         tokenizer and data fingerprints); a resume is also refused when it differs from the checkpoint's
         (`settings_to_resume_with`). `value` must be JSON-serialisable; give a large one as
-        `hf_diloco.global_points.fingerprint(value)`.
+        `hf_diloco.integrations.global_points.fingerprint(value)`.
         """
         self._settings_that_must_agree[name] = value
 

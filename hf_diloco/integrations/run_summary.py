@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from accelerate.utils import str_to_bool
 
 if TYPE_CHECKING:  # the type only: the main job's --help reads this module without the engine
-    from .core.diloco import DiLoCo
+    from ..core.diloco import DiLoCo
 
 
 def launched_processes() -> int:

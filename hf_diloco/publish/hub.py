@@ -81,7 +81,8 @@ def ensure_model_card(folder: str | Path, model_card: Mapping[str, Any] | None =
     Args:
         folder (`str` or `Path`): the saved model folder.
         model_card (`Mapping[str, Any]`, *optional*):
-            arguments of [`~hf_diloco.model_card.render_model_card`]; when given, the card is (re)written from them.
+            arguments of [`~hf_diloco.publish.model_card.render_model_card`]; when given, the card is (re)written
+            from them.
 
     Returns:
         `Path`: the card's path.
@@ -95,7 +96,7 @@ def ensure_model_card(folder: str | Path, model_card: Mapping[str, Any] | None =
         return write_model_card(folder, **model_card)
     if not readme.is_file():
         raise ValueError(
-            f"{folder} has no README.md model card; write one with hf_diloco.model_card.write_model_card(folder, ...) "
+            f"{folder} has no README.md model card; write one with hf_diloco.write_model_card(folder, ...) "
             "or pass model_card=dict(settings=..., communication=..., data_description=..., ...)."
         )
     if not has_diloco_tag(readme):

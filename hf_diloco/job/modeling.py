@@ -14,17 +14,15 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, set_seed
 
-from .core.config import check_known_keys
+from ..core.config import check_known_keys
 
 __all__ = [
     "DEFAULT_MODEL_CONFIG",
     "MODEL_SPEC_KEYS",
-    "architecture",
     "build_model",
     "build_model_config",
     "check_block_size",
     "check_vocab_size",
-    "describe_architecture_change",
     "model_positions",
 ]
 
@@ -42,11 +40,6 @@ DEFAULT_MODEL_CONFIG: dict[str, Any] = {
 MODEL_SPEC_KEYS = frozenset({"config", "config_name", "model_name_or_path", "dtype"})
 # Names model configs give the longest sequence their position embeddings cover, in order of preference.
 POSITION_ATTRIBUTES = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
-
-_NOT_ARCHITECTURE = frozenset(
-    {"transformers_version", "architectures", "dtype", "torch_dtype", "use_cache", "output_attentions",
-     "output_hidden_states", "return_dict"}
-)  # fmt: skip
 
 
 def build_model_config(
@@ -157,24 +150,6 @@ def _positions_attribute(model_config: PretrainedConfig) -> tuple[str, int] | No
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return type(model_config).attribute_map.get(name, name), value
     return None
-
-
-def architecture(model_config: PretrainedConfig) -> dict[str, Any]:
-    """
-    The settings of `model_config` that define the model a checkpoint holds: its whole `to_dict()` but the keys that
-    only say where it came from or how it runs (`_name_or_path`, `transformers_version`, `architectures`, `dtype`,
-    `use_cache`, output flags, and every private `_...` key).
-    """
-    return {k: v for k, v in model_config.to_dict().items() if k not in _NOT_ARCHITECTURE and not k.startswith("_")}
-
-
-def describe_architecture_change(saved: Mapping[str, Any], current: Mapping[str, Any], limit: int = 6) -> str | None:
-    """`None` when two `architecture` dicts are equal, else "key: saved -> current; ..." for the keys that differ."""
-    keys = sorted(k for k in set(saved) | set(current) if saved.get(k, "<not set>") != current.get(k, "<not set>"))
-    if not keys:
-        return None
-    shown = "; ".join(f"{k}: {saved.get(k, '<not set>')!r} -> {current.get(k, '<not set>')!r}" for k in keys[:limit])
-    return shown + (f" (and {len(keys) - limit} more)" if len(keys) > limit else "")
 
 
 def build_model(
