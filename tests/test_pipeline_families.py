@@ -5,7 +5,7 @@ cut into stages and compared with the unsplit model (loss and every gradient), a
 must be refused with the reason this file expects. With real gloo processes, `DiLoCoTrainer` trains
 `TRAINED_FAMILIES` pipelined and unpipelined on the same padded data: 1 worker x 2 stages against 1 x 1 and 2 workers x
 2 stages against 2 x 1 (codec `none`): final theta_g within 1e-4, every logged loss within 1e-5. One launch of each
-world size trains every family one after another.
+world size trains the families one after another: every trained family in one worker, `ACROSS_WORKERS` in two.
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ TRAINED_FAMILIES = {
     "olmo3": dict(sliding_window=4),
     "qwen3_next": dict(),
 }
+# The 2-worker grid checks what crosses workers: each stage's fragments synced with the same stage of the other
+# worker. A family changes that only through the parameters a stage holds (a tied head on both end stages, extra
+# modules before or after the blocks, experts), so one family of each kind runs there; how each family's forward is cut
+# is what the 1-worker grid checks for all of them.
+ACROSS_WORKERS = ("llama", "qwen2", "opt", "gemma2", "mixtral", "jamba")
 # family -> what the refusal says, for the families whose forward cannot be cut at block boundaries.
 CANNOT = {
     "cpmant": "do not reproduce the unsplit model",
@@ -165,9 +170,9 @@ def _train(family: str, out: str, pipeline_stages: int) -> dict:
     }
 
 
-def _train_every_family(out: str, pipeline_stages: int) -> dict:
+def _train_every_family(out: str, pipeline_stages: int, families: tuple[str, ...] = tuple(TRAINED_FAMILIES)) -> dict:
     results = {}
-    for family in TRAINED_FAMILIES:
+    for family in families:
         try:
             results[family] = _train(family, f"{out}/{family}_{pipeline_stages}", pipeline_stages)
         except Exception as error:  # report the family, then let the other families run
@@ -177,11 +182,11 @@ def _train_every_family(out: str, pipeline_stages: int) -> dict:
 
 def _two_processes(rank: int, world: int, out: str) -> dict:
     """1 worker x 2 stages, and the 2 workers x 1 stage reference."""
-    return {"1x2": _train_every_family(f"{out}/1x2", 2), "2x1": _train_every_family(f"{out}/2x1", 1)}
+    return {"1x2": _train_every_family(f"{out}/1x2", 2), "2x1": _train_every_family(f"{out}/2x1", 1, ACROSS_WORKERS)}
 
 
 def _four_processes(rank: int, world: int, out: str) -> dict:
-    return {"2x2": _train_every_family(f"{out}/2x2", 2)}
+    return {"2x2": _train_every_family(f"{out}/2x2", 2, ACROSS_WORKERS)}
 
 
 @pytest.fixture(scope="module")
@@ -230,10 +235,10 @@ def test_one_worker_two_stages_equals_one_stage_for_every_trained_family(trained
 
 
 @pytest.mark.timeout(1200)
-def test_two_workers_two_stages_equal_two_workers_one_stage_for_every_trained_family(trained):
+def test_two_workers_two_stages_equal_two_workers_one_stage_for_a_family_of_each_kind(trained):
     two, four, _ = trained
     problems = {}
-    for family in TRAINED_FAMILIES:
+    for family in ACROSS_WORKERS:
         for worker in range(2):
             stages = [four[2 * worker]["2x2"][family], four[2 * worker + 1]["2x2"][family]]
             found = _check_same_training(family, stages, two[worker]["2x1"][family])
@@ -242,7 +247,7 @@ def test_two_workers_two_stages_equal_two_workers_one_stage_for_every_trained_fa
     assert not problems, problems
     # the two workers read different shards, and end with bitwise-equal theta_g
     assert two[0]["2x1"]["llama"]["losses"] != two[1]["2x1"]["llama"]["losses"]
-    for family in TRAINED_FAMILIES:
+    for family in ACROSS_WORKERS:
         for stage in range(2):
             ours, theirs = four[stage]["2x2"][family]["global"], four[2 + stage]["2x2"][family]["global"]
             assert all(torch.equal(ours[name], theirs[name]) for name in ours), family
