@@ -25,7 +25,9 @@ import copy
 import io
 import json
 import logging
+import multiprocessing
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -303,6 +305,21 @@ def check_family(family: str, num_stages: int = 2) -> FamilyResult:
     return FamilyResult(family, status, detail, plan.blocks, bool(plan.tied))
 
 
+def _quiet_check(family: str, num_stages: int) -> FamilyResult:
+    with quiet():
+        return check_family(family, num_stages)
+
+
+def check_families(families: list[str], num_stages: int = 2, processes: int = 1) -> dict[str, FamilyResult]:
+    """`check_family` of each family, in `processes` spawned processes of one thread each (the families are
+    independent, so the results are the same in any number)."""
+    if processes <= 1:
+        return {family: _quiet_check(family, num_stages) for family in families}
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        return dict(zip(families, pool.map(_quiet_check, families, [num_stages] * len(families), chunksize=4)))
+
+
 def causal_lm_families() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -344,14 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--families", nargs="*", help="model types (default: every causal-LM family)")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--processes", type=int, default=1, help="families checked at once, one thread each")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    results = []
-    for family in args.families or causal_lm_families():
-        with quiet():
-            result = check_family(family, args.stages)
-        results.append(result)
-        print(f"{family}: {result.status} {result.detail}", flush=True)
+    results = list(check_families(args.families or causal_lm_families(), args.stages, args.processes).values())
+    for result in results:
+        print(f"{result.family}: {result.status} {result.detail}", flush=True)
     print(markdown(results))
     if args.json:
         with open(args.json, "w") as handle:

@@ -1,6 +1,6 @@
 """Generic pipeline stages across the causal-LM families of the installed transformers.
 
-In one process, every family of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built tiny (`benchmarks/pipeline_families.py`),
+In two processes, every family of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` is built tiny (`benchmarks/pipeline_families.py`),
 cut into stages and compared with the unsplit model (loss and every gradient), and the families that cannot be cut
 must be refused with the reason this file expects. With real gloo processes, `DiLoCoTrainer` trains
 `TRAINED_FAMILIES` pipelined and unpipelined on the same padded data: 1 worker x 2 stages against 1 x 1 and 2 workers x
@@ -95,13 +95,7 @@ NOT_BUILT = {
 
 @pytest.fixture(scope="module")
 def family_results() -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with families.quiet():
-            return {family: families.check_family(family) for family in families.causal_lm_families()}
-    finally:
-        torch.set_num_threads(threads)
+    return families.check_families(families.causal_lm_families(), processes=2)  # two cores, one thread each
 
 
 @pytest.mark.timeout(900)
