@@ -45,9 +45,9 @@ def main() -> None:
         for batch in accelerator.skip_first_batches(loader, plugin.inner_step % len(loader)):
             began = time.perf_counter()
             accelerator.backward(model(**batch).loss)
+            pace(began, slowed)  # the step's compute takes its paced time; the DiLoCo step (and sync) comes after
             optimizer.step()  # also the DiLoCo step
             optimizer.zero_grad()
-            pace(began, slowed)
             if plugin.outer_rounds > completed:
                 completed = plugin.outer_rounds
                 steps_per_round.append(int(plugin.metrics()["diloco/round_steps"]))
