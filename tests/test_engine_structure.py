@@ -10,14 +10,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "hf_diloco" / "core"
 GLUE = ("transformers", "accelerate", "peft", "datasets", "huggingface_hub", "hf_diloco")
-# The pipeline runner is Hugging Face model parallelism, on its way out of the DiLoCo core; config dataclasses may be
-# long (one field each).
-NOT_ENGINE = {"pipeline.py"}
+# Config dataclasses may be long (one field each).
 LONG_ALLOWED = {"DiLoCoConfig"}
 
 
 def _core_modules() -> list[Path]:
-    return [path for path in sorted(CORE.glob("*.py")) if path.name not in NOT_ENGINE]
+    return sorted(CORE.glob("*.py"))
 
 
 def class_lengths(folder: Path) -> dict[str, int]:
