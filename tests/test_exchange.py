@@ -325,6 +325,37 @@ def test_robust_clip_scales_an_outlier_to_factor_times_median():
     assert [clipped for _, clipped in results] == [False, False, True]
 
 
+def _clip_with_joiners(rank: int, world: int) -> list[tuple[torch.Tensor, bool, int | None]]:
+    """Elastic membership with clipping: two contributors beside two joiners (norms 1, 1.2, then zeros), and three
+    contributors (norms 1, 1.2, 50) beside one joiner."""
+    topology = Topology.from_default_group()
+    out = []
+    for contributors, norms in ((2, [1.0, 1.2]), (3, [1.0, 1.2, 50.0])):
+        exchange = OuterExchange(topology, make_codec("none"), clip_factor=3.0)
+        contributes = rank < contributors
+        vector = torch.full((10,), norms[rank] if contributes else 0.0) / 10**0.5
+        joined = OuterGroup(torch.distributed.group.WORLD, rank, world, contributes=contributes)
+        result = exchange.launch(vector, "clip with joiners", outer=joined).wait()
+        out.append((result.average, result.clipped, result.contributors))
+        exchange.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_robust_clip_leaves_a_joining_workers_zeros_out_of_the_median():
+    """Reference: the lower median of the contributors' norms only; with the joiners' zeros in it, the first case's
+    median would be 0 and every contribution would be zeroed."""
+    results = run_on_processes(_clip_with_joiners, 4)
+    for case, (contributors, norms) in enumerate(((2, [1.0, 1.2]), (3, [1.0, 1.2, 50.0]))):
+        bound = 3.0 * sorted(norms)[(len(norms) - 1) // 2]
+        expected = sum(torch.full((10,), min(n, bound)) / 10**0.5 for n in norms) / contributors
+        for rank, result in enumerate(results):
+            average, clipped, counted = result[case]
+            torch.testing.assert_close(average, expected)
+            assert counted == contributors
+            assert clipped == (rank < contributors and norms[rank] > bound), (case, rank)
+
+
 def _nan_worker(rank: int, world: int, overlap: str = "streaming") -> dict:
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)

@@ -255,7 +255,8 @@ class DiLoCoConfig:
         default=0.0,
         metadata={
             "help": "Robust aggregation: scale down a worker's pseudo-gradient whose norm exceeds this factor times "
-            "the (lower) median norm of all workers. 0 = off."
+            "the (lower) median norm of the contributing workers (a worker that joined during the round is left out). "
+            "0 = off."
         },
     )
     divergence_factor: float = field(

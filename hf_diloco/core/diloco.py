@@ -388,8 +388,6 @@ def check_elastic_supported(config: DiLoCoConfig, topology: Topology | None) -> 
         refused.append("a fixed topology of several processes (an elastic worker is one process)")
     if config.lowrank_rank or config.adaptive_compression:
         refused.append("low-rank or adaptive compression")
-    if config.robust_clip_factor:
-        refused.append("robust_clip_factor (a joining worker's zeros would lower the median)")
     refuse_unsupported(
         "Elastic membership runs among single-process workers", refused, "run without elastic membership"
     )

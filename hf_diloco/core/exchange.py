@@ -467,16 +467,21 @@ class _ExchangeJob:
         return layout.assemble(parts)
 
     def _clip_outlier(self) -> bool:
-        """Robust aggregation: scale this contribution down to clip_factor x the lower median of all workers' norms."""
+        """Robust aggregation: scale this contribution down to clip_factor x the lower median of the contributors'
+        norms. A worker that joined during the round sends -1 in place of its norm: its zeros are no contribution and
+        must not pull the median down (two joiners beside two contributors would otherwise make it 0)."""
         outer = self.outer
         if outer.size == 1 or outer.group is None:
             return False
-        norm = self._norm().reshape(1)
+        norm = (self._norm() if outer.contributes else torch.tensor(-1.0)).reshape(1)
         norms_tensor = gather_rows(norm, outer.group, outer.size).reshape(-1)
         self.sent += (outer.size - 1) * norm.nbytes
         if not bool(torch.isfinite(norms_tensor).all()):
             return False  # a non-finite contribution poisons the average; the engine skips that round everywhere
-        bound = self.exchange.clip_factor * float(norms_tensor.median())  # lower median: meaningful for M = 2 too
+        contributed = norms_tensor[norms_tensor >= 0]
+        if not outer.contributes or contributed.numel() == 0:
+            return False
+        bound = self.exchange.clip_factor * float(contributed.median())  # lower median: meaningful for M = 2 too
         if float(norm) <= bound:
             return False
         self.vector = self.vector * (bound / float(norm))
