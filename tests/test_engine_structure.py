@@ -48,6 +48,32 @@ def test_core_is_pure_torch_and_never_imports_upward():
                 assert not any(alias.name.startswith(GLUE) for alias in node.names), f"{path.name}:{node.lineno}"
 
 
+ROOMS = {"cli", "configs", "core", "integrations", "job", "metrics", "model_cards", "parallel", "publish"}
+
+
+def test_the_top_of_the_package_holds_only_its_rooms_and_its_public_face():
+    """Every module lives in a room named for its concern; `hf_diloco/__init__.py` names what users import."""
+    package = ROOT / "hf_diloco"
+    modules = {path.name for path in package.glob("*.py")}
+    assert modules == {"__init__.py", "__main__.py"}, modules
+    rooms = {path.name for path in package.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert rooms <= ROOMS, rooms - ROOMS
+
+
+def test_the_engine_needs_nothing_the_front_ends_or_the_job_hold():
+    """`parallel/` and `core/` never import the front-ends, the job, the publishing or the commands."""
+    above = ("integrations", "job", "publish", "cli")
+    for room in ("core", "parallel"):
+        for path in sorted((ROOT / "hf_diloco" / room).rglob("*.py")):
+            package = path.relative_to(ROOT).parent.parts
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    target = package[: len(package) - node.level + 1] + tuple((node.module or "").split("."))
+                    assert target[1:2] not in [(name,) for name in above], f"{path}:{node.lineno} imports {target}"
+                if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                    assert not node.module.startswith(tuple(f"hf_diloco.{name}" for name in above)), path
+
+
 def test_overlap_modes_are_told_apart_in_one_place():
     """`config.overlap` is read to pick the mode's class (`make_overlap`) and nowhere else in the engine."""
     readers = []
