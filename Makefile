@@ -12,9 +12,9 @@ $(BIN)/activate:
 	# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install torch==2.13.0
 
-# Reinstalled whenever pyproject.toml changes (new dependencies, the hf-diloco command).
-$(VENV)/.installed: pyproject.toml $(BIN)/activate
-	$(BIN)/pip install -e ".[dev,plots,trl,elastic,peft]"
+# Reinstalled whenever pyproject.toml or the tested releases change (new dependencies, the hf-diloco command).
+$(VENV)/.installed: pyproject.toml constraints.txt $(BIN)/activate
+	$(BIN)/pip install -e ".[dev,plots,trl,elastic,peft]" -c constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
