@@ -74,6 +74,50 @@ def test_the_engine_needs_nothing_the_front_ends_or_the_job_hold():
                     assert not node.module.startswith(tuple(f"hf_diloco.{name}" for name in above)), path
 
 
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its text (at the top, in functions, for type checking
+    only): `from .x import y` counts as importing `x.y` when that is a module, else `x`."""
+    paths = {_module_name(path): path for path in (ROOT / "hf_diloco").rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]) if node.level else ""
+                base = (base if node.level else node.module or "").rstrip(".")
+                for alias in node.names:
+                    imported.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base)
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        graph[name] = {module for module in imported if module in paths and module not in (name, "hf_diloco")}
+    return graph
+
+
+def test_no_module_of_the_package_imports_itself_through_others():
+    """No import circle, counting imports for type checking: each part of the engine serialises itself, and the
+    engine composes them (`core/checkpoint.py` and `core/elastic.py` take parts, never the engine's class)."""
+    graph = import_graph()
+    assert "hf_diloco.core.checkpoint" in graph["hf_diloco.core.diloco"]  # the graph sees relative imports
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(module) :] + [module]))
+        if module not in done:
+            for imported in sorted(graph[module]):
+                visit(imported, path + [module])
+            done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
 def test_overlap_modes_are_told_apart_in_one_place():
     """`config.overlap` is read to pick the mode's class (`make_overlap`) and nowhere else in the engine."""
     readers = []

@@ -18,27 +18,142 @@ residual) and the low-rank warm start on the host, where the exchange produces t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from .devices import placed
 from .exchange import ExchangeResult, PendingExchange
-from .fragment import InFlight
+from .fragment import Fragment, InFlight
 from .overlap import in_flight_order
 from .settings_check import check_same_settings
 from .stats import EngineStats
 
 if TYPE_CHECKING:
-    from .diloco import DiLoCo
+    from .config import DiLoCoConfig
+    from .round_policy import RoundPolicy
+    from .rounds import DivergenceGuard, RoundKeeper
 
 
-def engine_state(engine: DiLoCo) -> dict:
+@dataclass(frozen=True)
+class CheckpointedParts:
+    """The parts of an engine that its checkpoint holds; each serialises itself and `engine_state` composes them.
+
+    Attributes:
+        config: the settings (their fingerprint is written, and compared on loading).
+        fragments: every fragment, in index order.
+        rounds: waits for the exchanges in flight.
+        saves_sent: whether the overlap mode reads what it sent later (eager), so an exchange in flight keeps it.
+        inner_optimizer: saved with the engine's state; None: nothing to save.
+        guard: the divergence guard.
+        round_policy: the round policy (its state is written under `balanced` only).
+        shard: which share of the outer state this rank holds (`shard_description`).
+    """
+
+    config: DiLoCoConfig
+    fragments: Sequence[Fragment]
+    rounds: RoundKeeper
+    saves_sent: bool
+    inner_optimizer: torch.optim.Optimizer | None
+    guard: DivergenceGuard
+    round_policy: RoundPolicy
+    shard: dict
+
+
+def engine_state(parts: CheckpointedParts, inner_step: int, stats: EngineStats) -> dict:
     """Everything needed to continue bitwise; waits for the exchanges in flight but does not apply them."""
+    fragments = parts.fragments
+    return {
+        **shared_state(parts.config, inner_step, fragments, parts.guard, copy=True),
+        **_own_state(fragments),
+        "inner_optimizer": None if parts.inner_optimizer is None else parts.inner_optimizer.state_dict(),
+        "pending": _flights_state(fragments, parts.rounds, parts.saves_sent),
+        "stats": dict(stats),
+        "lowrank": [f.compressor.state_dict() for f in fragments] if parts.config.lowrank_rank else None,
+        "shard": parts.shard,
+        **({"round_policy": parts.round_policy.state_dict()} if parts.round_policy.balanced else {}),
+    }
+
+
+def load_engine_state(parts: CheckpointedParts, state: dict) -> tuple[int, EngineStats]:
+    """Restore `engine_state`'s mapping into the parts (refused when the settings or fragment sizes differ); returns
+    the inner step and the statistics the engine continues from."""
+    _check_compatible(parts, state)
+    inner_step = load_shared_state(parts.fragments, parts.guard, state)
+    _load_own_state(parts.fragments, state)
+    if parts.inner_optimizer is not None and state["inner_optimizer"] is not None:
+        parts.inner_optimizer.load_state_dict(state["inner_optimizer"])
+    _load_flights(parts.fragments, state["pending"])
+    for fragment, saved in zip(parts.fragments, state.get("lowrank") or []):
+        fragment.compressor.load_state_dict(saved)
+    parts.round_policy.load_state_dict(state.get("round_policy"))
+    return inner_step, EngineStats.from_dict(state["stats"])
+
+
+def shared_state(
+    config: DiLoCoConfig, inner_step: int, fragments: Sequence[Fragment], guard: DivergenceGuard, copy: bool
+) -> dict:
+    """What every worker holds alike: the settings, the inner step, θg, the outer optimizers' states and the
+    divergence guard. A checkpoint starts with it, and a worker behind the others receives it from a live peer
+    (`elastic.py`). `copy`: θg cloned (a checkpoint outlives the step it was taken at)."""
+    return {
+        "fingerprint": config.fingerprint(),
+        "settings": config.shared_settings(),
+        "inner_step": inner_step,
+        "global": [f.theta_g.clone() if copy else f.theta_g for f in fragments],
+        "outer_optimizer": merged_optimizer_state([f.outer_optimizer for f in fragments]),
+        "divergence_guard": guard.state_dict(),
+    }
+
+
+def load_shared_state(fragments: Sequence[Fragment], guard: DivergenceGuard, state: dict) -> int:
+    """Restore `shared_state`'s θg, outer optimizers and guard (the model and what was in flight are the caller's);
+    returns the inner step."""
+    for fragment, saved in zip(fragments, state["global"]):
+        fragment.theta_g.copy_(saved)
+        fragment.flight = None
+    load_merged_optimizer_state([f.outer_optimizer for f in fragments], state["outer_optimizer"])
+    guard.load_state_dict(state.get("divergence_guard"))
+    return int(state["inner_step"])
+
+
+def shard_description(data_parallel_index: int, data_parallel_size: int, sharded_model: bool) -> dict:
+    """Which share of the outer state a rank holds."""
+    kind = "fsdp" if sharded_model else "replicated"
+    return {"index": data_parallel_index, "count": data_parallel_size, "kind": kind}
+
+
+def _own_state(fragments: Sequence[Fragment]) -> dict:
+    """What is this worker's own: its parameters θm, eager's start points a_m and their optimizers, the residuals."""
+    trajectories = [f.trajectory for f in fragments if f.trajectory is not None]
+    return {
+        "local": [f.local() for f in fragments],
+        "anchor": [t.values.clone() for t in trajectories] if trajectories else None,
+        "anchor_optimizer": merged_optimizer_state([t.optimizer for t in trajectories]) if trajectories else None,
+        "residual": [f.residual for f in fragments],
+    }
+
+
+def _load_own_state(fragments: Sequence[Fragment], state: dict) -> None:
+    for fragment, local, residual in zip(fragments, state["local"], state["residual"]):
+        fragment.write_local(local)
+        fragment.residual = residual
+    if state["anchor"] is not None:
+        trajectories = [f.trajectory for f in fragments]
+        for trajectory, saved in zip(trajectories, state["anchor"]):
+            trajectory.values.data.copy_(saved)
+            trajectory.optimizer.state.clear()
+        if state.get("anchor_optimizer") is not None:
+            load_merged_optimizer_state([t.optimizer for t in trajectories], state["anchor_optimizer"])
+
+
+def _flights_state(fragments: Sequence[Fragment], rounds: RoundKeeper, saves_sent: bool) -> dict:
+    """The exchanges in flight by fragment, completed (waited for) but not applied."""
     pending = {}
-    for fragment in in_flight_order(engine.fragments):
+    for fragment in in_flight_order(fragments):
         flight = fragment.flight
-        result = engine.rounds.wait(flight)
+        result = rounds.wait(flight)
         flight.pending = PendingExchange.completed(result)
         pending[fragment.index] = {
             "apply_at": flight.apply_at,
@@ -46,61 +161,17 @@ def engine_state(engine: DiLoCo) -> dict:
             "residual": result.residual,
             "bytes_sent": result.bytes_sent,
             "bytes_sent_intra_worker": result.bytes_sent_intra_worker,
-            "sent": flight.sent.clone() if engine.overlap.saves_sent else None,  # may be a view of a longer buffer
+            "sent": flight.sent.clone() if saves_sent else None,  # may be a view of a longer buffer
             "estimate_weights": flight.weights,
             **({"scale": flight.scale} if flight.scale != 1.0 else {}),  # `round_policy: balanced` only
         }
-    fragments = engine.fragments
-    trajectories = [f.trajectory for f in fragments if f.trajectory is not None]
-    return {
-        "fingerprint": engine.config.fingerprint(),
-        "settings": engine.config.shared_settings(),
-        "inner_step": engine.inner_step,
-        "global": [f.theta_g.clone() for f in fragments],
-        "local": [f.local() for f in fragments],
-        "anchor": [t.values.clone() for t in trajectories] if trajectories else None,
-        "outer_optimizer": merged_optimizer_state([f.outer_optimizer for f in fragments]),
-        "anchor_optimizer": merged_optimizer_state([t.optimizer for t in trajectories]) if trajectories else None,
-        "inner_optimizer": None if engine.inner_optimizer is None else engine.inner_optimizer.state_dict(),
-        "residual": [f.residual for f in fragments],
-        "pending": pending,
-        "stats": dict(engine.stats),
-        "lowrank": [f.compressor.state_dict() for f in fragments] if engine.config.lowrank_rank else None,
-        "divergence_guard": engine.guard.state_dict(),
-        "shard": shard_description(engine),
-        **({"round_policy": engine.round_policy.state_dict()} if engine.round_policy.balanced else {}),
-    }
+    return pending
 
 
-def shard_description(engine: DiLoCo) -> dict:
-    """Which share of the outer state this rank holds."""
-    topology = engine.topology
-    kind = "fsdp" if engine.sharded_model else "replicated"
-    return {"index": topology.dp_index, "count": topology.data_parallel_size, "kind": kind}
-
-
-def load_engine_state(engine: DiLoCo, state: dict) -> None:
-    """Restore `engine_state`'s mapping into `engine` (refused when the settings or fragment sizes differ)."""
-    _check_compatible(engine, state)
-    engine.inner_step = int(state["inner_step"])
-    for fragment, saved, local, residual in zip(engine.fragments, state["global"], state["local"], state["residual"]):
-        fragment.theta_g.copy_(saved)
-        fragment.write_local(local)
-        fragment.residual = residual
-        fragment.flight = None
-    load_merged_optimizer_state([f.outer_optimizer for f in engine.fragments], state["outer_optimizer"])
-    if state["anchor"] is not None:
-        trajectories = [f.trajectory for f in engine.fragments]
-        for trajectory, saved in zip(trajectories, state["anchor"]):
-            trajectory.values.data.copy_(saved)
-            trajectory.optimizer.state.clear()
-        if state.get("anchor_optimizer") is not None:
-            load_merged_optimizer_state([t.optimizer for t in trajectories], state["anchor_optimizer"])
-    if engine.inner_optimizer is not None and state["inner_optimizer"] is not None:
-        engine.inner_optimizer.load_state_dict(state["inner_optimizer"])
-    for index, item in state["pending"].items():
+def _load_flights(fragments: Sequence[Fragment], pending: dict) -> None:
+    for index, item in pending.items():
         result = ExchangeResult(item["average"], item["residual"], item["bytes_sent"], item["bytes_sent_intra_worker"])
-        fragment = engine.fragments[int(index)]
+        fragment = fragments[int(index)]
         sent = placed(item["sent"], fragment.device)  # eager subtracts it from the next Δm, which lives there
         fragment.flight = InFlight(
             PendingExchange.completed(result),
@@ -109,26 +180,21 @@ def load_engine_state(engine: DiLoCo, state: dict) -> None:
             item.get("estimate_weights"),
             item.get("scale", 1.0),
         )
-    engine.stats = engine.rounds.stats = EngineStats.from_dict(state["stats"])
-    for fragment, saved in zip(engine.fragments, state.get("lowrank") or []):
-        fragment.compressor.load_state_dict(saved)
-    engine.guard.load_state_dict(state.get("divergence_guard"))
-    engine.round_policy.load_state_dict(state.get("round_policy"))
 
 
-def _check_compatible(engine: DiLoCo, state: dict) -> None:
+def _check_compatible(parts: CheckpointedParts, state: dict) -> None:
     check_same_settings(
-        engine.config, state, "This DiLoCo checkpoint was written", "resume with the settings it was saved with"
+        parts.config, state, "This DiLoCo checkpoint was written", "resume with the settings it was saved with"
     )
-    saved, mine = state.get("shard"), shard_description(engine)
+    saved, mine = state.get("shard"), parts.shard
     if mine["count"] > 1 and saved != mine:
         raise ValueError(
             f"This DiLoCo checkpoint holds the outer-state share {saved} (data-parallel index, ranks per worker, "
             f"sharding) but this rank holds {mine}: load each rank's own state file, into the same sharding (FSDP or "
             "replicated) it was written with."
         )
-    if len(state["global"]) != len(engine.fragments) or any(
-        saved.shape != f.theta_g.shape for saved, f in zip(state["global"], engine.fragments)
+    if len(state["global"]) != len(parts.fragments) or any(
+        saved.shape != f.theta_g.shape for saved, f in zip(state["global"], parts.fragments)
     ):
         raise ValueError("This DiLoCo checkpoint does not match the model's parameters (fragment sizes differ).")
 

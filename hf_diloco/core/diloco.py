@@ -35,7 +35,7 @@ from .exchange import OuterExchange, PendingExchange
 from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
-from .overlap import make_overlap
+from .overlap import Overlap, make_overlap
 from .round_policy import RoundClock, make_round_policy
 from .rounds import DivergenceGuard, RoundKeeper
 from .shard import ReplicatedValues, ShardedValues, Worker, is_sharded
@@ -129,7 +129,17 @@ class DiLoCo:
         self.overlap = make_overlap(config, self.rounds, self.topology.num_workers)
         # Every fragment's sent vector and average may be held for a round (delayed, eager), and a pair is being made.
         self.buffers = BufferPool(limit=2 * config.num_fragments + 2)
-        self.fragments = [self._make_fragment(index, part, params) for index, part in enumerate(pieces)]
+        values = functools.partial(
+            _fragment_values,
+            params=params,
+            model=self.model if self.sharded_model else None,
+            granularity=self.exchange.granularity(),
+            worker=self.worker,
+        )
+        self.fragments = [
+            _make_fragment(config, index, part, params, values(part), self.buffers, self.overlap)
+            for index, part in enumerate(pieces)
+        ]
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
         self.clock = RoundClock()  # each inner step's compute time and the engine's; read by the round policy
@@ -259,34 +269,21 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """Everything needed to continue bitwise: waits for in-flight exchanges but does not apply them."""
-        return checkpoint.engine_state(self)
+        return checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`, also one written before the engine was organised by fragment."""
-        checkpoint.load_engine_state(self, state)
+        self.inner_step, self.stats = checkpoint.load_engine_state(self._checkpointed_parts(), state)
+        self.rounds.stats = self.stats
         self._count_outer_state()
 
-    # ----------------------------------------------------------------------------------------------- internals
+    def _checkpointed_parts(self) -> checkpoint.CheckpointedParts:
+        topology, policy = self.topology, self.round_policy
+        shard = checkpoint.shard_description(topology.dp_index, topology.data_parallel_size, self.sharded_model)
+        parts = (self.config, self.fragments, self.rounds, self.overlap.saves_sent, self.inner_optimizer, self.guard)
+        return checkpoint.CheckpointedParts(*parts, round_policy=policy, shard=shard)
 
-    def _make_fragment(self, index: int, pieces: list[Piece], params: dict[str, nn.Parameter]) -> Fragment:
-        config = self.config
-        if self.sharded_model:
-            values = ShardedValues(pieces, params, self.model, self.worker)
-        else:
-            values = ReplicatedValues(pieces, params, self.exchange.granularity(), self.worker)
-        device = local_device(config.global_copy_device, params.values())  # "cuda": this process's own GPU
-        make_optimizer = functools.partial(outer_optimizer, config)
-        fragment = Fragment(index, pieces, params, device, make_optimizer, values, buffers=self.buffers)
-        if config.lowrank_rank:  # the initial Q is seeded by the fragment index, the same on every worker
-            fragment.compressor = LowRankCompressor(
-                fragment.shapes,
-                config.lowrank_rank,
-                seed=index,
-                track_energy=config.adaptive_compression,
-                compression=config.compression,
-            )
-        self.overlap.prepare(fragment, make_optimizer)
-        return fragment
+    # ----------------------------------------------------------------------------------------------- internals
 
     def _launch(self, fragment: Fragment) -> None:
         start = self.overlap.round_start(fragment)
@@ -342,6 +339,43 @@ class DiLoCo:
         residuals = 1 if self.config.error_feedback or self.config.lowrank_rank else 0
         averages = 0 if self.fragments and self.fragments[0].uses_buffers else 1
         self.stats.outer_state_bytes = outer_state_bytes(self.fragments, residuals + averages, self.buffers.tensors())
+
+
+def _fragment_values(
+    pieces: list[Piece],
+    params: dict[str, nn.Parameter],
+    model: nn.Module | None,
+    granularity: int,
+    worker: Worker,
+) -> ReplicatedValues | ShardedValues:
+    """How a fragment reads and writes its parameters: in FSDP shards of `model` when given, else replicated."""
+    if model is not None:
+        return ShardedValues(pieces, params, model, worker)
+    return ReplicatedValues(pieces, params, granularity, worker)
+
+
+def _make_fragment(
+    config: DiLoCoConfig,
+    index: int,
+    pieces: list[Piece],
+    params: dict[str, nn.Parameter],
+    values: ReplicatedValues | ShardedValues,
+    buffers: BufferPool,
+    overlap: Overlap,
+) -> Fragment:
+    device = local_device(config.global_copy_device, params.values())  # "cuda": this process's own GPU
+    make_optimizer = functools.partial(outer_optimizer, config)
+    fragment = Fragment(index, pieces, params, device, make_optimizer, values, buffers=buffers)
+    if config.lowrank_rank:  # the initial Q is seeded by the fragment index, the same on every worker
+        fragment.compressor = LowRankCompressor(
+            fragment.shapes,
+            config.lowrank_rank,
+            seed=index,
+            track_energy=config.adaptive_compression,
+            compression=config.compression,
+        )
+    overlap.prepare(fragment, make_optimizer)
+    return fragment
 
 
 def outer_optimizer(config: DiLoCoConfig, tensor: torch.Tensor) -> torch.optim.Optimizer:

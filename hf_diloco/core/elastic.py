@@ -37,14 +37,18 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_merged_optimizer_state, merged_optimizer_state
+from .checkpoint import load_shared_state, shared_state
 from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange
 from .fragment import Fragment, InFlight
 from .settings_check import check_same_settings
 
 if TYPE_CHECKING:
     from .config import DiLoCoConfig
-    from .diloco import DiLoCo
+    from .exchange import OuterExchange
+    from .overlap import Overlap
+    from .round_policy import RoundClock, RoundPolicy
+    from .rounds import DivergenceGuard, RoundKeeper
+    from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +133,25 @@ class MembershipLog:
         }
 
 
+class ElasticEngine(Protocol):
+    """What `ElasticRounds` reads and runs of its engine (`DiLoCo`): it is the engine's exchange runner under a
+    membership, so it holds the engine's parts rather than copies of them."""
+
+    config: DiLoCoConfig
+    fragments: list[Fragment]
+    inner_step: int
+    stats: EngineStats
+    guard: DivergenceGuard
+    round_policy: RoundPolicy
+    clock: RoundClock
+    exchange: OuterExchange
+    overlap: Overlap
+    rounds: RoundKeeper
+
+    @property
+    def outer_rounds(self) -> int: ...
+
+
 class ElasticRounds:
     """The engine's exchanges under a `Membership` (see the module docstring for the rules).
 
@@ -137,7 +160,7 @@ class ElasticRounds:
         membership: the backend; bound here to `global_state` / `load_global_state`.
     """
 
-    def __init__(self, engine: DiLoCo, membership: Membership):
+    def __init__(self, engine: ElasticEngine, membership: Membership):
         self.engine = engine
         self.membership = membership
         self.log = MembershipLog()
@@ -190,12 +213,7 @@ class ElasticRounds:
         """What a worker behind the others receives: identical on every member at a group's formation."""
         engine = self.engine
         return {
-            "fingerprint": engine.config.fingerprint(),
-            "settings": engine.config.shared_settings(),
-            "inner_step": engine.inner_step,
-            "global": [fragment.theta_g for fragment in engine.fragments],
-            "outer_optimizer": merged_optimizer_state([fragment.outer_optimizer for fragment in engine.fragments]),
-            "divergence_guard": engine.guard.state_dict(),
+            **shared_state(engine.config, engine.inner_step, engine.fragments, engine.guard, copy=False),
             "flights": {
                 fragment.index: _completed_flight(fragment.flight)
                 for fragment in engine.fragments
@@ -210,14 +228,10 @@ class ElasticRounds:
         """Take a live peer's `global_state`: θg into the model, this worker's own round discarded."""
         engine = self.engine
         check_peer_settings(engine.config, state)
-        engine.inner_step = int(state["inner_step"])
-        for fragment, theta_g in zip(engine.fragments, state["global"]):
-            fragment.theta_g.copy_(theta_g)
+        engine.inner_step = load_shared_state(engine.fragments, engine.guard, state)
+        for fragment in engine.fragments:
             fragment.write_local(fragment.theta_g)
             fragment.residual = None
-            fragment.flight = None
-        load_merged_optimizer_state([f.outer_optimizer for f in engine.fragments], state["outer_optimizer"])
-        for fragment in engine.fragments:
             if fragment.trajectory is not None:  # eager: this worker's own start point restarts from θg
                 fragment.trajectory.restart_from(fragment)
         for index, flight in state["flights"].items():
@@ -226,7 +240,6 @@ class ElasticRounds:
             result = ExchangeResult(flight["average"], None, 0, 0, contributors=flight["contributors"])
             zeros = torch.zeros_like(fragment.theta_g)
             fragment.flight = InFlight(PendingExchange.completed(result), flight["apply_at"], sent=zeros)
-        engine.guard.load_state_dict(state["divergence_guard"])
         self._phase = None if state["phase"] is None else tuple(state["phase"])
         self._tails_done = list(state["tails_done"])
         if self._balanced:

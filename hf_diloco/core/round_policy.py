@@ -339,9 +339,12 @@ class BalancedRounds(_RoundPolicy):
         return torch.stack(rows)
 
 
+RoundPolicy = StepRounds | BalancedRounds  # what `make_round_policy` returns
+
+
 def make_round_policy(
     policy: str, inner_steps: int, num_fragments: int, sync_delay: int, topology: Topology, elastic: bool = False
-):
+) -> RoundPolicy:
     if policy == "balanced":
         return BalancedRounds(inner_steps, num_fragments, sync_delay, topology, weighs_in_exchange=elastic)
     return StepRounds(inner_steps, num_fragments)
