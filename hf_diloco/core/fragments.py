@@ -16,11 +16,13 @@ a piece is synced exactly as a whole parameter would be.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
+import torch
 from torch import nn
 
 
@@ -59,28 +61,66 @@ def layer_stacks(model: nn.Module, num_layers: int) -> list[str]:
     return sorted(sizes, key=lambda path: -sizes[path])
 
 
-def find_block_stack(model: nn.Module) -> str | None:
-    """Qualified name of the block stack (e.g. `model.layers`, `transformer.h`): the container with the most
-    parameters among
+def find_block_stack(model: nn.Module, inputs: Mapping[str, torch.Tensor] | None = None) -> str | None:
+    """Qualified name of the block stack (e.g. `model.layers`, `transformer.h`), the one finder of the engine's
+    fragments, FSDP's units and the pipeline's cut:
 
-    - the `nn.ModuleList`s of `config.num_hidden_layers` blocks, of any classes (hybrid models such as Jamba mix
-      attention and Mamba blocks in one stack);
-    - the `nn.ModuleDict`s keyed by block index, of any classes (a pipeline stage holds its part of the stack so);
-    - the `nn.ModuleList`s of blocks of one class (a model without a Hugging Face config).
+    - the `nn.ModuleList` of `config.num_hidden_layers` blocks, of any classes (hybrid models such as Jamba mix
+      attention and Mamba blocks in one stack), with the most parameters; with several such lists (a vision tower
+      beside the text decoder) and `inputs`, the largest whose blocks the forward on `inputs` runs once each, in index
+      order;
+    - without one, the container with the most parameters among the `nn.ModuleDict`s keyed by block index (a pipeline
+      stage holds its part of the stack so, and thus finds the same stack as the whole model: their fragments agree)
+      and the `nn.ModuleList`s of blocks of one class (a model without a Hugging Face config).
 
-    A pipeline stage and the whole model thus find the same stack, so their fragments agree. None without one.
+    None without any.
     """
     num_layers = config_value(model, "num_hidden_layers")
-    candidates = set(layer_stacks(model, num_layers)) if isinstance(num_layers, int) and num_layers > 0 else set()
+    stacks = layer_stacks(model, num_layers) if isinstance(num_layers, int) and num_layers > 0 else []
+    if len(stacks) > 1 and inputs is not None:
+        return _stack_that_runs(model, stacks, inputs)
+    return stacks[0] if stacks else _largest_indexed_container(model)
+
+
+def _largest_indexed_container(model: nn.Module) -> str | None:
     best_name, best_size = None, 0
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleDict) and len(module) and all(key.isdigit() for key in module.keys()):
-            candidates.add(name)
-        elif isinstance(module, nn.ModuleList) and len(module) and len({type(child) for child in module}) == 1:
-            candidates.add(name)
-        if name in candidates and _numel(module) > best_size:
+        indexed = isinstance(module, nn.ModuleDict) and len(module) and all(key.isdigit() for key in module.keys())
+        one_class = isinstance(module, nn.ModuleList) and len(module) and len({type(child) for child in module}) == 1
+        if (indexed or one_class) and _numel(module) > best_size:
             best_name, best_size = name, _numel(module)
     return best_name
+
+
+def _stack_that_runs(model: nn.Module, stacks: list[str], inputs: Mapping[str, torch.Tensor]) -> str:
+    """The first of `stacks` whose blocks one forward on `inputs` runs once each, in index order (else the first)."""
+    orders: dict[str, list[int]] = {path: [] for path in stacks}
+    handles = [
+        block.register_forward_pre_hook(lambda module, args, path=path, index=index: orders[path].append(index))
+        for path in stacks
+        for index, block in enumerate(model.get_submodule(path))
+    ]
+    try:
+        with eval_mode(model):
+            model(**inputs, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    ran = [path for path in stacks if orders[path] == list(range(len(model.get_submodule(path))))]
+    return ran[0] if ran else stacks[0]
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode without gradients; every module gets its own mode back."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _numel(module: nn.Module) -> int:

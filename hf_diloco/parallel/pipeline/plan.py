@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from ...core.fragments import config_value, layer_stacks
+from ...core.fragments import config_value, eval_mode, find_block_stack, layer_stacks
 
 IGNORE_INDEX = -100
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -98,47 +97,17 @@ def stage_layer_ranges(num_layers: int, num_stages: int) -> list[range]:
 # ------------------------------------------------------------------------------------------------ finding the parts
 
 
-def _block_stack_candidates(model: nn.Module) -> list[str]:
-    """Paths of the `nn.ModuleList`s of `config.num_hidden_layers` modules, the most parameters first."""
+def check_has_block_stack(model: nn.Module) -> None:
+    """Refuse a model without an `nn.ModuleList` of `config.num_hidden_layers` blocks: no block stack to cut."""
     name = type(model).__name__
     num_layers = config_value(model, "num_hidden_layers")
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"Cannot pipeline a {name}: its config has no num_hidden_layers to find its block stack by.")
-    stacks = layer_stacks(model, num_layers)
-    if not stacks:
+    if not layer_stacks(model, num_layers):
         raise ValueError(
             f"Cannot pipeline a {name}: it has no nn.ModuleList of num_hidden_layers={num_layers} blocks (no block "
             "stack to cut between stages)."
         )
-    return stacks
-
-
-def find_block_stack(model: nn.Module, inputs: Mapping[str, torch.Tensor] | None = None) -> str:
-    """Path of the block stack: the `nn.ModuleList` of `config.num_hidden_layers` blocks with the most parameters.
-
-    With several such lists (a vision tower beside the text decoder), `inputs` decide: the largest list whose blocks
-    the forward on `inputs` runs once each, in index order.
-
-    Raises:
-        ValueError: when the model has no `config.num_hidden_layers` or no such list.
-    """
-    candidates = _block_stack_candidates(model)
-    if len(candidates) == 1 or inputs is None:
-        return candidates[0]
-    orders: dict[str, list[int]] = {path: [] for path in candidates}
-    handles = [
-        block.register_forward_pre_hook(lambda module, args, path=path, index=index: orders[path].append(index))
-        for path in candidates
-        for index, block in enumerate(model.get_submodule(path))
-    ]
-    try:
-        with _eval_mode(model):
-            model(**inputs, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    ran = [path for path in candidates if orders[path] == list(range(len(model.get_submodule(path))))]
-    return ran[0] if ran else candidates[0]
 
 
 def _ancestors(path: str) -> list[str]:
@@ -225,19 +194,6 @@ def _logits(output) -> torch.Tensor:
     return output[0] if logits is None else logits
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Eval mode without gradients; every module gets its own mode back."""
-    modes = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
 def _probe(
     model: nn.Module, blocks: str, outer: Mapping[str, nn.Module], inputs: Mapping[str, torch.Tensor]
 ) -> _Probe:
@@ -273,7 +229,7 @@ def _probe(
         for index, block in enumerate(stack):
             handles.append(block.register_forward_pre_hook(record_start(index)))
             handles.append(block.register_forward_hook(record_output(index)))
-        with _eval_mode(model):
+        with eval_mode(model):
             output = model(**inputs, use_cache=False)
     finally:
         for handle in handles:
@@ -369,7 +325,7 @@ def plan_pipeline(
             stages, an auxiliary loss, `layerdrop` > 0, fewer blocks than stages).
     """
     name = type(model).__name__
-    _block_stack_candidates(model)
+    check_has_block_stack(model)
     inputs = check_batch(model) if inputs is None else inputs
     blocks = find_block_stack(model, inputs)
     num_layers = len(model.get_submodule(blocks))

@@ -10,14 +10,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from ...core.fragments import eval_mode
 from .plan import (
     PipelineMismatchError,
     PipelinePlan,
-    _block_stack_candidates,
-    _eval_mode,
     _logits,
     _StageBoundary,
     check_batch,
+    check_has_block_stack,
     plan_pipeline,
 )
 
@@ -255,7 +255,7 @@ def check_stages(
     plan = stages[0].plan
     what = f"{plan.num_stages} pipeline stages of {plan.model_name} (blocks {[list(r) for r in plan.ranges]})"
     try:
-        with _eval_mode(model):
+        with eval_mode(model):
             hidden = inputs["input_ids"]
             for stage in stages:
                 with _released_except(model, stage):
@@ -300,7 +300,7 @@ def build_stages(
         ValueError: when the model cannot be cut (see `plan_pipeline`).
         PipelineMismatchError: when the chained stages do not reproduce the model (see `check_stages`).
     """
-    _block_stack_candidates(model)  # a model without a block stack fails here, before any forward
+    check_has_block_stack(model)  # a model without a block stack fails here, before any forward
     inputs = check_batch(model) if inputs is None else inputs
     plan, expected = plan_pipeline(model, num_stages, inputs)
     stages = [PipelineStageModule(model, plan, stage) for stage in range(num_stages)]
