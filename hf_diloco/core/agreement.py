@@ -68,66 +68,84 @@ def check_workers_agree(
 ) -> None:
     """Raise on every rank when ranks disagree on the wire format, the DiLoCo settings, the caller's
     `extra_fingerprint` (e.g. training schedule, tokenizer, data) or, among the ranks of one pipeline stage, the
-    model's parameter `shapes` or its `settings` (`model_settings`). One all-gather of a few integers; nothing when
-    alone."""
+    model's parameter `shapes` or its `settings` (`model_settings`). One exchange of a few short values
+    (`gather_values`); nothing when alone."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     group = topology.control_group
-    mine = torch.tensor(
-        [
-            exchange_module.WIRE_FORMAT,
-            int(config_fingerprint, 16) & (2**62 - 1),
-            _stable_hash(shapes),
-            topology.stage_index,
-            _stable_hash(settings),
-            _stable_hash(extra_fingerprint),
-        ],
-        dtype=torch.int64,
-    )
+    mine = {
+        "wire_format": exchange_module.WIRE_FORMAT,
+        "settings": config_fingerprint,
+        "shapes": _stable_hash(shapes),
+        "stage": topology.stage_index,
+        "model": _stable_hash(settings),
+        "extra": _stable_hash(extra_fingerprint),
+    }
     point = f"the start-up check of the DiLoCo settings across all {dist.get_world_size()} ranks"
+    device = None
     try:
         if group is not None or dist.get_backend() == "gloo":
             timeout = datetime.timedelta(seconds=timeout_seconds)
             dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=True)
         elif dist.get_backend() == "nccl":
-            mine = mine.cuda()
-        everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(everyone, mine, group=group)
+            device = torch.device("cuda", torch.cuda.current_device())
+        everyone = gather_values(mine, group, device)
     except RuntimeError as error:
         raise OuterSyncError(
             f"{point} did not complete within sync_timeout_seconds={timeout_seconds:g}: {error}. Every rank must "
             "create its DiLoCo engine at about the same time; a rank that died or stalls before it holds the others."
         ) from error
-    _compare(topology, [[int(value) for value in row] for row in everyone])
+    _compare(topology, everyone)
 
 
-def _compare(topology: Topology, everyone: list[list[int]]) -> None:
-    formats = [row[0] for row in everyone]
+def gather_values(values: Mapping, group: dist.ProcessGroup | None, device: torch.device | None = None) -> list[dict]:
+    """Every rank's `values` (JSON: never a pickle a peer could make run code), in the order of the ranks of `group`
+    (None: the default group). The one way ranks show each other what must agree: the engine's start-up check and the
+    front-ends' global points (`integrations/global_points.py`)."""
+    return [json.loads(text) for text in all_gather_text(json.dumps(values, sort_keys=True), group, device)]
+
+
+def all_gather_text(text: str, group: dist.ProcessGroup | None, device: torch.device | None = None) -> list[str]:
+    """Every rank's `text`, by rank of `group`: the lengths, then the UTF-8 bytes padded to the longest."""
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return [bytes(part[: int(n)].tolist()).decode() for part, n in zip(parts, sizes)]
+
+
+def _compare(topology: Topology, everyone: list[dict]) -> None:
+    formats = [row["wire_format"] for row in everyone]
     if len(set(formats)) != 1:
         raise ValueError(
             f"Ranks use different outer-exchange wire formats ({formats}, by rank): they run different hf_diloco "
             "versions. Install the same hf_diloco version on every node."
         )
-    odd = _disagreeing(everyone, 1)
+    odd = _disagreeing(everyone, "settings")
     if odd:
         raise ValueError(
             f"DiLoCo settings differ between ranks (ranks {odd} disagree with rank 0): every worker must use the "
             "same inner_steps, num_fragments, compression, ... Check the config and DILOCO_* variables on each node."
         )
-    odd = _disagreeing(everyone, 5)
+    odd = _disagreeing(everyone, "extra")
     if odd:
         raise ValueError(
             f"The training script's fingerprint differs between ranks (ranks {odd} disagree with rank 0): the "
             "settings it covers (training schedule, tokenizer, data, ...) must be the same on every worker."
         )
     stage = topology.stage_index
-    same_stage = [r for r, row in enumerate(everyone) if row[3] == stage]
-    if len({everyone[r][2] for r in same_stage}) != 1:
+    same_stage = [r for r, row in enumerate(everyone) if row["stage"] == stage]
+    if len({everyone[r]["shapes"] for r in same_stage}) != 1:
         raise ValueError(
             f"Ranks {same_stage} hold different model shapes for pipeline stage {stage}; every worker must "
             "train the same architecture."
         )
-    if len({everyone[r][4] for r in same_stage}) != 1:
+    if len({everyone[r]["model"] for r in same_stage}) != 1:
         raise ValueError(
             f"Ranks {same_stage} hold models with different configurations for pipeline stage {stage} (the same "
             "shapes, but e.g. another hidden_act or rope_scaling in model.config); every worker must train the "
@@ -135,8 +153,8 @@ def _compare(topology: Topology, everyone: list[list[int]]) -> None:
         )
 
 
-def _disagreeing(everyone: list[list[int]], column: int) -> list[int]:
-    return [rank for rank, row in enumerate(everyone) if row[column] != everyone[0][column]]
+def _disagreeing(everyone: list[dict], key: str) -> list[int]:
+    return [rank for rank, row in enumerate(everyone) if row[key] != everyone[0][key]]
 
 
 def broadcast_initial_parameters(

@@ -19,8 +19,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from ..core.agreement import gather_values
 
 __all__ = [
     "PeerTimeoutError",
@@ -105,7 +106,7 @@ def check_ranks_agree(
     mine = {name: _exchanged_value(value) for name, value in settings.items()}
     wait_for_all_ranks(group, point, timeout_seconds, bound)
     try:
-        everyone = [json.loads(text) for text in _all_gather_text(json.dumps(mine, sort_keys=True), group)]
+        everyone = gather_values(mine, group)
     except RuntimeError as error:
         raise PeerTimeoutError(
             f"Exchanging the settings that must agree at {point} failed ({error}); a peer stopped or crashed "
@@ -136,19 +137,6 @@ def _exchanged_value(value: Any) -> Any:
     if len(json.dumps(canonical)) > _LONGEST_EXCHANGED_VALUE:
         return f"sha256:{fingerprint(canonical)}"
     return canonical
-
-
-def _all_gather_text(text: str, group: dist.ProcessGroup) -> list[str]:
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, size, group=group)
-    longest = int(max(sizes))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return [bytes(part[: int(n)].tolist()).decode() for part, n in zip(parts, sizes)]
 
 
 def _describe_difference(name: str, values: list[Any]) -> str | None:

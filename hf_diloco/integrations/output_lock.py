@@ -188,7 +188,8 @@ def hold_output_folder(
 ) -> None:
     """The job's main process takes `folder`'s lock; every rank of `group` (a gloo group of all ranks, or None)
     raises the same `OutputFolderInUseError` when it could not, instead of waiting for it at a later point."""
-    from .global_points import _all_gather_text, wait_for_all_ranks
+    from ..core.agreement import all_gather_text
+    from .global_points import wait_for_all_ranks
 
     refusal = ""
     if is_main_process:
@@ -198,6 +199,6 @@ def hold_output_folder(
             refusal = str(error)
     if group is not None:
         wait_for_all_ranks(group, "taking the output folder's lock", timeout_seconds, bound)
-        refusal = _all_gather_text(refusal, group)[0]
+        refusal = all_gather_text(refusal, group)[0]
     if refusal:
         raise OutputFolderInUseError(refusal)
