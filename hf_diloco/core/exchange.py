@@ -30,6 +30,7 @@ worker's first data-parallel rank over the fast link, so every rank of every wor
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -94,6 +95,10 @@ class ExchangeResult:
     contributors: int | None = None  # with an `OuterGroup`: the workers whose pseudo-gradient the average holds
     scale: float = 1.0  # with a weighted `OuterGroup`: what this worker's Δ was multiplied by (C w_m / Σ w)
     fastest_step_seconds: float | None = None  # with a weighted `OuterGroup`: the members' fastest step (0: none)
+    # What a low-rank exchange measured, for the adaptive policy's next choices (`OuterExchange.learn`): the link's
+    # rate, and (codec name, bytes sent / `wire_bytes`) with entropy coding.
+    link_bytes_per_second: float | None = None
+    coded_share: tuple[str, float] | None = None
 
 
 class OuterSyncError(RuntimeError):
@@ -254,12 +259,25 @@ class OuterExchange:
         """
         vector = vector.detach().to(torch.float32).contiguous()
         check_output_vector(out, vector.numel(), "The average is written")
-        job = _ExchangeJob(self, vector, compressor, context or {}, layout, outer, out)
+        job = functools.partial(self.learn, _ExchangeJob(self, vector, compressor, context or {}, layout, outer, out))
         if blocking and self.inline_when_blocking:
             return PendingExchange.run_inline(job, description, self.timeout_seconds)
         if self._worker is None:
             self._worker = _SerialWorker("diloco-outer-sync")
         return PendingExchange(self._worker.submit(job), description, self.timeout_seconds)
+
+    def learn(self, job: Callable[[], ExchangeResult]) -> ExchangeResult:
+        """Run one exchange on this thread and keep what it measured for the next launches' choices (on the
+        exchange's serial thread, so the next launch decides with it, as the order of launches says)."""
+        result = job()
+        if result.choice is not None:
+            self.choices.append(result.choice)
+        if result.coded_share is not None:
+            name, share = result.coded_share
+            self.coded_share[name] = share
+        if result.link_bytes_per_second is not None:
+            self.link_bytes_per_second = result.link_bytes_per_second
+        return result
 
     def close(self) -> None:
         if self._worker is not None:
@@ -329,8 +347,8 @@ class _ExchangeJob:
     """One launch's work on the exchange's thread: weigh or count the contributors (elastic), clip an outlier,
     average (plain, or the two low-rank passes under a policy's choice), and return the `ExchangeResult` with the
     bytes it sent across workers (`sent`) and inside the worker (`intra`). What it learns for later launches (the
-    link's measured rate, the entropy coder's share, the policy's record) it writes into its `OuterExchange`
-    (`link_bytes_per_second`, `coded_share`, `choices`)."""
+    link's measured rate, the entropy coder's share, the policy's record) it returns in that result too, and
+    `OuterExchange.learn` keeps it: the job reads its exchange's settings and buffers, and writes nothing into it."""
 
     def __init__(
         self,
@@ -390,15 +408,12 @@ class _ExchangeJob:
 
         result = self.compressor.run(self.vector, average, rank=choice["rank"] if choice else None)
         self.compressor.compression = codec.name
-        if ex.entropy_coding and self.averaged_bound > 0:
-            ex.coded_share[codec.name] = self.averaged_sent / self.averaged_bound
-        if self.sent > 0 and self.link_seconds > 0:
-            ex.link_bytes_per_second = self.sent / self.link_seconds
         average_of_all, residual = result.average, result.residual
         if self.layout is not None and ex.topology.data_parallel_size > 1:
             average_of_all = self.layout.take(average_of_all, ex.topology.dp_index)
             residual = None if residual is None else self.layout.take(residual, ex.topology.dp_index)
-        return self._result(self._into_out(average_of_all), residual, clipped, choice)
+        result = self._result(self._into_out(average_of_all), residual, clipped, choice)
+        return dataclasses.replace(result, **_measured(self, codec.name if ex.entropy_coding else None))
 
     def _result(
         self, average: torch.Tensor, residual: torch.Tensor | None, clipped: bool, choice: dict | None = None
@@ -621,6 +636,15 @@ class _ExchangeJob:
         return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
 
 
+def _measured(job: _ExchangeJob, coded: str | None) -> dict:
+    """What a low-rank job measured for later choices: the link's rate, and the entropy coder's share of the bytes
+    `wire_bytes` gives for the codec named `coded` (None: no entropy coding)."""
+    return {
+        "link_bytes_per_second": job.sent / job.link_seconds if job.sent > 0 and job.link_seconds > 0 else None,
+        "coded_share": (coded, job.averaged_sent / job.averaged_bound) if coded and job.averaged_bound > 0 else None,
+    }
+
+
 def decide_compression(ex: OuterExchange, compressor: LowRankCompressor, context: dict) -> tuple[dict, int, int]:
     """The policy's choice on the outer group's first rank, broadcast so that every rank uses the same one, and the
     bytes the broadcasts sent from this rank across workers and inside its worker."""
@@ -659,7 +683,6 @@ def decide_compression(ex: OuterExchange, compressor: LowRankCompressor, context
         "compression": name,
         "reason": reason,
     }
-    ex.choices.append(record)
     return record, sent, intra
 
 
