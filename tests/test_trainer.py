@@ -392,10 +392,10 @@ def test_no_collective_crosses_workers_between_syncs(diloco_runs):
         assert sync_steps == list(range(H, STEPS + 1, H)), "the recorder must see the outer syncs themselves"
         logged = [entry for entry in result["blocking"]["logs"] if "loss" in entry]
         assert len(logged) == STEPS and logged[-1]["diloco/outer_steps"] == STEPS // H
-        # At start: the output folder's lock, shared from rank 0 as text (lengths, then bytes: two all-gathers), and
-        # the ranks' settings with one all-gather, the engine's (it covers the trainer's).
+        # At start: the output folder's lock, shared from rank 0 as text, and the ranks' settings, the engine's (it
+        # covers the trainer's): each is text of every rank (`core/agreement.all_gather_text`: lengths, then bytes).
         gathers = [op for phase, op, ranks in result["calls"] if phase == "setup" and op.startswith("all_gather")]
-        assert gathers == ["all_gather"] * 3, gathers
+        assert gathers == ["all_gather"] * 4, gathers
 
 
 @pytest.mark.timeout(600)
