@@ -56,6 +56,16 @@ class ElasticJob:
             time.sleep(0.1)
         raise AssertionError(f"{replica} never reached the expected point; its log:\n{self.log(replica)}")
 
+    def wait_for_log(self, replica: str, text: str, timeout: float = 120.0) -> None:
+        """Return once `text` is in the replica's log (within `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            path = self.out / f"{replica}.log"
+            if path.exists() and text in path.read_text(errors="replace"):
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"{replica} never logged {text!r}; its log:\n{self.log(replica)}")
+
     def finish(self, timeout: float = 180.0) -> dict[str, int]:
         deadline = time.monotonic() + timeout
         codes = {}

@@ -127,6 +127,9 @@ def test_a_stopped_worker_is_dropped_after_the_timeout_and_rejoins(job):
     job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
     dropped_after = time.monotonic() - stopped
     victim.send_signal(signal.SIGCONT)
+    # The others go on only once the continued worker, its own exchange failed, asks for a new group: released
+    # earlier, they could finish the run within its collective's bound (4 s), leaving no live peer to heal from.
+    job.wait_for_log("worker2", "retrying with the workers present")
     go.touch()
     codes = job.finish()
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
