@@ -89,8 +89,8 @@ def import_graph() -> dict[str, set[str]]:
         imported = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom):
-                base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]) if node.level else ""
-                base = (base if node.level else node.module or "").rstrip(".")
+                above = package[: len(package) - node.level + 1] if node.level else []
+                base = ".".join(above + ([node.module] if node.module else []))
                 for alias in node.names:
                     imported.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base)
             elif isinstance(node, ast.Import):

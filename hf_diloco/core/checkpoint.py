@@ -64,11 +64,12 @@ class CheckpointedParts:
 def engine_state(parts: CheckpointedParts, inner_step: int, stats: EngineStats) -> dict:
     """Everything needed to continue bitwise; waits for the exchanges in flight but does not apply them."""
     fragments = parts.fragments
+    pending = _flights_state(fragments, parts.rounds, parts.saves_sent)  # first: every exchange in flight is done
     return {
         **shared_state(parts.config, inner_step, fragments, parts.guard, copy=True),
         **_own_state(fragments),
         "inner_optimizer": None if parts.inner_optimizer is None else parts.inner_optimizer.state_dict(),
-        "pending": _flights_state(fragments, parts.rounds, parts.saves_sent),
+        "pending": pending,
         "stats": dict(stats),
         "lowrank": [f.compressor.state_dict() for f in fragments] if parts.config.lowrank_rank else None,
         "shard": parts.shard,

@@ -129,15 +129,10 @@ class DiLoCo:
         self.overlap = make_overlap(config, self.rounds, self.topology.num_workers)
         # Every fragment's sent vector and average may be held for a round (delayed, eager), and a pair is being made.
         self.buffers = BufferPool(limit=2 * config.num_fragments + 2)
-        values = functools.partial(
-            _fragment_values,
-            params=params,
-            model=self.model if self.sharded_model else None,
-            granularity=self.exchange.granularity(),
-            worker=self.worker,
-        )
+        sharded, granularity = self.model if self.sharded_model else None, self.exchange.granularity()
+        values = [_fragment_values(part, params, sharded, granularity, self.worker) for part in pieces]
         self.fragments = [
-            _make_fragment(config, index, part, params, values(part), self.buffers, self.overlap)
+            _make_fragment(config, index, part, params, values[index], self.buffers, self.overlap)
             for index, part in enumerate(pieces)
         ]
         if config.lowrank_rank:
