@@ -35,6 +35,7 @@ from .exchange import OuterExchange, PendingExchange, ScheduleTag
 from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
+from .outer_schedule import learning_rate_now, scheduled
 from .overlap import Overlap, make_overlap
 from .round_policy import RoundClock, make_round_policy
 from .rounds import DivergenceGuard, RoundKeeper
@@ -89,6 +90,7 @@ class DiLoCo:
         membership: Membership | None = None,
     ):
         self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
+        config.outer_schedule()  # a decaying outer schedule without its length is refused before any work
         if membership is not None:
             check_elastic_supported(config, topology)
             topology = topology or Topology.single_process()
@@ -257,6 +259,8 @@ class DiLoCo:
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
         logs["diloco/local_global_drift"] = relative_drift(self.fragments)
         logs["diloco/inner_step"] = float(self.inner_step)
+        if self.config.outer_schedule() is not None:  # the rate fragment 0's next outer step uses
+            logs["diloco/outer_lr"] = learning_rate_now(self.fragments[0].outer_optimizer, self.fragments[0].theta_g)
         logs.update(self.round_policy.metrics(self.inner_step, self.clock))
         return logs
 
@@ -378,10 +382,13 @@ def _make_fragment(
 
 
 def outer_optimizer(config: DiLoCoConfig, tensor: torch.Tensor) -> torch.optim.Optimizer:
-    """One fragment's outer optimizer: SGD with the configured (Nesterov) momentum."""
+    """One fragment's outer optimizer: SGD with the configured (Nesterov) momentum, and the outer learning rate's
+    schedule where one is set (`outer_schedule.py`)."""
     momentum = config.outer_momentum
     nesterov = config.outer_nesterov and momentum > 0
-    return torch.optim.SGD([tensor], lr=config.outer_lr, momentum=momentum, nesterov=nesterov)
+    optimizer = torch.optim.SGD([tensor], lr=config.outer_lr, momentum=momentum, nesterov=nesterov)
+    scheduled(optimizer, config.outer_schedule(), config.outer_lr)
+    return optimizer
 
 
 def whole_parameters(fragments: Sequence[Fragment]) -> dict[str, torch.Tensor]:
