@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .checkpoint import load_shared_state, shared_state
 from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange
 from .fragment import Fragment, InFlight
-from .settings_check import check_same_settings
+from .settings_check import check_same_published
 
 if TYPE_CHECKING:
     from .config import DiLoCoConfig
@@ -381,9 +381,16 @@ class ElasticRounds:
 def check_peer_settings(config: DiLoCoConfig, state: dict) -> None:
     """Refuse a live peer's `global_state` written with other DiLoCo settings than `config`, naming each field with
     both values (only the fingerprints for a peer of a version that sent no settings)."""
-    check_same_settings(
-        config,
-        state,
+    mine = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
+    check_published_settings(mine, state)
+
+
+def check_published_settings(mine: dict, peer: dict) -> None:
+    """`check_peer_settings` between the `{"settings", "fingerprint"}` this worker and a live peer publish (what a
+    joiner compares before it takes part in a quorum)."""
+    check_same_published(
+        mine,
+        peer,
         "A live peer runs",
         "start this worker with the running workers' DiLoCo config",
         theirs="the peer",
