@@ -48,3 +48,21 @@ def test_a_joiner_with_other_settings_is_refused_before_the_others_wait_for_it(j
         assert closed["summary"]["joins"] == 0 and closed["summary"]["drops"] == 0
         # 32 paced steps of 0.15 s after the release, and the exchanges: far below one collective's bound.
         assert closed["time"] - released < SYNC_TIMEOUT / 2, closed["time"] - released
+
+
+def test_a_worker_alone_in_a_job_that_ran_refuses_to_start_it_over(job):
+    """The first worker of a fresh job trains alone (start_workers 1) and leaves; a second, started after it left,
+    finds no peer and loaded no checkpoint: it stops at its first step, naming the Lighthouse, the worker that was
+    there and the ways out, instead of training the job over from its own initial weights and exiting 0."""
+    first = job.start(0, "--steps", "8")
+    assert first.wait(timeout=120) == 0, job.log("worker0")
+    late = job.start(1, "--steps", "8")
+    assert late.wait(timeout=120) != 0
+    log = job.log("worker1")
+    expected = (
+        f"AloneWithoutState: This worker is alone: the Lighthouse {job.lighthouse.address()} last formed a group of "
+        "worker0, none of which joined this worker's first group"
+    )
+    assert expected in log and "start_workers=2" in log and "resume_from_checkpoint" in log, log
+    assert not (job.out / "final_worker1.pt").exists()
+    assert [e["kind"] for e in job.events("worker1")] == ["starting", "bound", "joined"]

@@ -158,6 +158,8 @@ class DiLoCo:
         """Advance the schedule by one completed inner optimizer step."""
         if self._closed:
             raise _step_after_close(self.inner_step)
+        if self.elastic is not None:
+            self.elastic.check_can_train()
         self.clock.step_begins()
         self.inner_step += 1
         self.overlap.apply_due(self.fragments, self.inner_step)

@@ -96,9 +96,16 @@ class Membership(Protocol):
     def close(self) -> None:
         """Leave the job."""
 
+    # Optional (`getattr`): `earlier_members`, the workers of the job's last group before this one came (none for a
+    # fresh job), and `lighthouse`, where the job is found; both only for what a worker alone is told.
+
 
 class MinWorkersTimeout(RuntimeError):
     """Fewer than `min_workers` workers could be reached within the configured bound."""
+
+
+class AloneWithoutState(RuntimeError):
+    """A worker of a job that has run finds no live peer and loaded no checkpoint: it would start the job over."""
 
 
 @dataclass
@@ -168,6 +175,7 @@ class ElasticRounds:
         self._tails_done: list[int] = []
         self._weight = 0.0  # `balanced`: the steps this worker's Δ of the exchange being formed covers
         self._contributing = {fragment.index for fragment in engine.fragments}
+        self.alone_without_state = False  # see `check_can_train`
         stats = engine.stats
         stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
         stats.exchange_retries = stats.heals = stats.heal_bytes = 0
@@ -176,18 +184,39 @@ class ElasticRounds:
 
     # ----------------------------------------------------------------------------------------------- the engine's
 
-    def join(self) -> None:
+    def join(self, view: RoundView | None = None) -> None:
         """The first group: every worker's start. A worker behind the others takes their state and then the exchange
         they are about to run."""
+        view = view or self._begin()
         while True:
-            view = self._begin()
             if view.healed and self._phase is not None:
                 self._run(None, None, view)
+                self.alone_without_state = False
                 return
             # Every member waits until the others have healed (a peer serves its state only until it commits), then
             # commits the join as a round: a worker that starts later is behind, and heals.
             if self._barrier(view) and self.membership.end_round():
+                # Alone in a job that has run: its own initial weights would start the job over (`check_can_train`).
+                earlier = getattr(self.membership, "earlier_members", [])
+                self.alone_without_state = view.size == 1 and not view.healed and bool(earlier)
                 return
+            view = self._begin()
+
+    def check_can_train(self) -> None:
+        """Refuse to train a worker that found no live peer in a job that has run and loaded no checkpoint (with
+        `min_workers` 1 nothing else stops it): it would train alone from its own initial weights and save that."""
+        if self.alone_without_state:
+            earlier = ", ".join(getattr(self.membership, "earlier_members", []))
+            lighthouse = getattr(self.membership, "lighthouse", "the job's Lighthouse")
+            raise AloneWithoutState(
+                f"This worker is alone: the Lighthouse {lighthouse} last formed a group of {earlier}, none of which "
+                "joined this worker's first group (gone, or not at an exchange within the Lighthouse's join timeout), "
+                "and this worker loaded no checkpoint, so it would train the job over from its own "
+                "initial weights (min_workers=1 lets a worker train alone). Resume it from the job's last checkpoint "
+                "(DiLoCo.load_state_dict; resume_from_checkpoint in the Trainer and hf-diloco pretrain), or start "
+                "it together with the other sites (start_workers=2 makes its first group wait for another), or "
+                "start a new Lighthouse for a new run."
+            )
 
     def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """Exchange the fragment's pseudo-gradient among the workers present and apply the average."""

@@ -109,6 +109,7 @@ class TorchftMembership:
         self._pg = None
         self._store = None
         self._store_socket: socket.socket | None = None
+        self.earlier_members: list[str] = []  # the Lighthouse's last quorum when this worker came (`bind`)
 
     def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
         """Join the job: the Manager starts heartbeating to the Lighthouse from here on."""
@@ -127,11 +128,13 @@ class TorchftMembership:
             wait_for_workers=False,
             master_listen_fd=self._store_socket.fileno(),
         )
+        members = _last_quorum_members(self.lighthouse, min(connect_timeout.total_seconds(), 10.0))
+        self.earlier_members = sorted({replica.split(":")[0] for replica, _ in members})
         mine = _settings_of(state_dict())
         if mine is not None:
             # Before this worker's Manager heartbeats: from then on the Lighthouse waits for it, and the next quorum
             # includes it, so a refusal at its heal would cost the live workers a failed exchange and a retry.
-            self._check_live_settings(mine)
+            self._check_live_settings(mine, [store for _, store in members])
             self._store.set(SETTINGS_KEY, json.dumps(mine))
         self._pg = ProcessGroupGloo(timeout=sync_timeout)
         with _servers_bound_to(self.host):
@@ -202,12 +205,12 @@ class TorchftMembership:
                 raise DuplicateReplicaId(message)
             logger.error("%s This worker continues; the other one stops.", message)
 
-    def _check_live_settings(self, mine: dict) -> None:
+    def _check_live_settings(self, mine: dict, stores: list[str]) -> None:
         """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field): the
-        settings a member of the Lighthouse's last quorum published in its store, read before this worker is a
-        participant. Nothing to compare with (a fresh job, no member reachable): the heal's own check remains."""
+        settings a member of the Lighthouse's last quorum (its store in `stores`) published, read before this worker
+        is a participant. Nothing to compare with (a fresh job, no member reachable): the heal's own check remains."""
         timeout = min(self._timeouts[2], 10.0)
-        for address in _last_quorum_stores(self.lighthouse, timeout):
+        for address in stores:
             peer = _published_settings(address, timeout)
             if peer is not None:
                 check_published_settings(mine, peer)
@@ -264,9 +267,9 @@ def _settings_of(state: dict) -> dict | None:
     return {"settings": state["settings"], "fingerprint": state["fingerprint"]}
 
 
-def _last_quorum_stores(lighthouse: str, timeout: float) -> list[str]:
-    """The stores (`host:port`) of the members of the Lighthouse's last quorum, read from its status page (torchft
-    0.2.0 has no other way to ask without joining); none when the page cannot be read."""
+def _last_quorum_members(lighthouse: str, timeout: float) -> list[tuple[str, str]]:
+    """The (replica id, store `host:port`) of each member of the Lighthouse's last quorum, read from its status page
+    (torchft 0.2.0 has no other way to ask without joining); none for a fresh Lighthouse or a page not read."""
     try:
         with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=timeout) as response:
             page = response.read().decode(errors="replace")
@@ -275,7 +278,7 @@ def _last_quorum_stores(lighthouse: str, timeout: float) -> list[str]:
             "could not read the Lighthouse's status at %s (%s); settings compared at the heal", lighthouse, error
         )
         return []
-    return re.findall(r"TCPStore:\s*(\S+?)\s*<br", page)
+    return re.findall(r"<b>([^<]+)</b>.*?TCPStore:\s*(\S+?)\s*<br", page, flags=re.DOTALL)
 
 
 def _published_settings(address: str, timeout: float) -> dict | None:
