@@ -266,12 +266,15 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """Everything needed to continue bitwise: waits for in-flight exchanges but does not apply them."""
-        return checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
+        state = checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
+        return state if self.elastic is None else self.elastic.with_progress(state)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a `state_dict()`, also one written before the engine was organised by fragment."""
         self.inner_step, self.stats = checkpoint.load_engine_state(self._checkpointed_parts(), state)
         self.rounds.stats = self.stats
+        if self.elastic is not None:  # live peers, or another site's newer checkpoint, may be ahead of this one
+            self.elastic.resume(state)
         self._count_outer_state()
 
     def _checkpointed_parts(self) -> checkpoint.CheckpointedParts:

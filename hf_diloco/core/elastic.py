@@ -218,11 +218,32 @@ class ElasticRounds:
                 "start a new Lighthouse for a new run."
             )
 
+    def resume(self, state: dict) -> None:
+        """After the engine loaded a checkpoint: meet the others again at the checkpoint's progress (the torchft
+        step it was saved at), so that whoever is behind heals from whoever is ahead: this worker from live peers
+        that went on since, or a site whose checkpoint is older from one with a newer (a whole job restarted after
+        its Lighthouse was lost, where every site resumes at once)."""
+        resume_at = getattr(self.membership, "resume_at", None)
+        if resume_at is not None:
+            resume_at(int(state.get("elastic_progress", 0)))  # none stored: behind any live peer
+        self._phase, self._tails_done = None, []
+        self.join()
+        self.alone_without_state = False  # it holds the job's state: its checkpoint's, or a live peer's
+
+    def with_progress(self, state: dict) -> dict:
+        """A checkpoint `state` with the job's progress, for `resume`."""
+        progress = getattr(self.membership, "progress", None)
+        return state if progress is None else {**state, "elastic_progress": progress()}
+
     def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """Exchange the fragment's pseudo-gradient among the workers present and apply the average."""
         self._phase = ("launch", fragment.index)
         self._weight = float(self.engine.round_policy.launch_weights[fragment.index]) if self._balanced else 0.0
-        self._run(fragment, delta, self._begin())
+        view = self._begin()
+        if view.healed and self._phase is None:  # healed from peers meeting after a resume: their join is this one's
+            self.join(view)
+            return
+        self._run(fragment, delta, view)
 
     def tail(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """`close()`'s plain-average sync of a fragment's tail, among the workers present."""

@@ -216,6 +216,15 @@ class TorchftMembership:
                 check_published_settings(mine, peer)
                 return
 
+    def progress(self) -> int:
+        """The job's committed rounds as torchft counts them (equal on every member after a commit): what a
+        checkpoint stores, so that a resumed worker is behind, equal to or ahead of the others as its state is."""
+        return self.manager.current_step()
+
+    def resume_at(self, progress: int) -> None:
+        """Count from a checkpoint's `progress`: at the next group whoever is behind heals from whoever is ahead."""
+        self.manager.load_state_dict({"step": progress, "batches_committed": self.manager.batches_committed()})
+
     def report_error(self, error: Exception) -> None:
         self.manager.report_error(error)
 
