@@ -270,7 +270,7 @@ class DiLoCo:
         return state if self.elastic is None else self.elastic.with_progress(state)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a `state_dict()`, also one written before the engine was organised by fragment."""
+        """Restore a `state_dict()`, also an older layout's (under membership whoever is ahead wins: `resume`)."""
         self.inner_step, self.stats = checkpoint.load_engine_state(self._checkpointed_parts(), state)
         self.rounds.stats = self.stats
         if self.elastic is not None:  # live peers, or another site's newer checkpoint, may be ahead of this one

@@ -97,7 +97,8 @@ class Membership(Protocol):
         """Leave the job."""
 
     # Optional (`getattr`): `earlier_members`, the workers of the job's last group before this one came (none for a
-    # fresh job), and `lighthouse`, where the job is found; both only for what a worker alone is told.
+    # fresh job), and `lighthouse`, where the job is found (what a worker alone is told); `progress()`, the job's
+    # committed rounds, stored in a checkpoint, and `resume_at(progress)`, which counts from a checkpoint's again.
 
 
 class MinWorkersTimeout(RuntimeError):
