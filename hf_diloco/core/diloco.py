@@ -160,6 +160,8 @@ class DiLoCo:
         """Advance the schedule by one completed inner optimizer step."""
         if self._closed:
             raise _step_after_close(self.inner_step)
+        if self.elastic is not None:
+            self.elastic.check_can_train()
         self.clock.step_begins()
         self.inner_step += 1
         self.overlap.apply_due(self.fragments, self.inner_step)
@@ -268,12 +270,15 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """Everything needed to continue bitwise: waits for in-flight exchanges but does not apply them."""
-        return checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
+        state = checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
+        return state if self.elastic is None else self.elastic.with_progress(state)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a `state_dict()`, also one written before the engine was organised by fragment."""
+        """Restore a `state_dict()`, also an older layout's (under membership whoever is ahead wins: `resume`)."""
         self.inner_step, self.stats = checkpoint.load_engine_state(self._checkpointed_parts(), state)
         self.rounds.stats = self.stats
+        if self.elastic is not None:  # live peers, or another site's newer checkpoint, may be ahead of this one
+            self.elastic.resume(state)
         self._count_outer_state()
 
     def _checkpointed_parts(self) -> checkpoint.CheckpointedParts:
