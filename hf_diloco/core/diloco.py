@@ -259,12 +259,8 @@ class DiLoCo:
         (no read of the model): `local_global_drift` is ||θm - θg|| / ||θg|| measured at each fragment's last launch
         (0 before any), with D > 1 data-parallel ranks per worker that of this rank's share."""
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
-        logs["diloco/local_global_drift"] = relative_drift(self.fragments)
-        logs["diloco/inner_step"] = float(self.inner_step)
-        if self.config.outer_schedule() is not None:  # the rate fragment 0's next outer step uses
-            logs["diloco/outer_lr"] = learning_rate_now(self.fragments[0].outer_optimizer, self.fragments[0].theta_g)
-        logs.update(self.round_policy.metrics(self.inner_step, self.clock))
-        return logs
+        logs.update(fragment_metrics(self.config, self.fragments, self.inner_step))
+        return {**logs, **self.round_policy.metrics(self.inner_step, self.clock)}
 
     # ----------------------------------------------------------------------------------------------- checkpoints
 
@@ -394,6 +390,14 @@ def outer_optimizer(config: DiLoCoConfig, tensor: torch.Tensor) -> torch.optim.O
     optimizer = torch.optim.SGD([tensor], lr=config.outer_lr, momentum=momentum, nesterov=nesterov)
     scheduled(optimizer, config.outer_schedule(), config.outer_lr)
     return optimizer
+
+
+def fragment_metrics(config: DiLoCoConfig, fragments: Sequence[Fragment], inner_step: int) -> dict[str, float]:
+    """The drift, the inner step and, with an outer schedule, the rate fragment 0's next outer step uses."""
+    logs = {"diloco/local_global_drift": relative_drift(fragments), "diloco/inner_step": float(inner_step)}
+    if config.outer_schedule() is not None:
+        logs["diloco/outer_lr"] = learning_rate_now(fragments[0].outer_optimizer, fragments[0].theta_g)
+    return logs
 
 
 def whole_parameters(fragments: Sequence[Fragment]) -> dict[str, torch.Tensor]:
