@@ -205,6 +205,7 @@ def section_keys() -> dict[str, frozenset[str]]:
     """The keys each section accepts."""
     from transformers import TrainingArguments
 
+    from ..integrations.inner_optimizer import InnerOptimizerSettings
     from .data import DATA_SPEC_KEYS, TOKENIZER_SPEC_KEYS
     from .modeling import MODEL_SPEC_KEYS
 
@@ -212,7 +213,9 @@ def section_keys() -> dict[str, frozenset[str]]:
         "model": MODEL_SPEC_KEYS,
         "tokenizer": TOKENIZER_SPEC_KEYS,
         "data": DATA_SPEC_KEYS,
-        "training": frozenset(f.name for f in dataclasses.fields(TrainingArguments) if f.init),
+        "training": frozenset(
+            f.name for cls in (TrainingArguments, InnerOptimizerSettings) for f in dataclasses.fields(cls) if f.init
+        ),
         "diloco": frozenset(diloco_field_names()),
     }
 

@@ -8,12 +8,13 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from ..inner_optimizer import InnerOptimizerSettings
 from ..launch import init_process_group_for_restart
 from ..settings import DiLoCoSettings
 
 
 @dataclass(repr=False)
-class DiLoCoTrainingArguments(TrainingArguments, DiLoCoSettings):
+class DiLoCoTrainingArguments(TrainingArguments, DiLoCoSettings, InnerOptimizerSettings):
     """
     [`~transformers.TrainingArguments`] that also take every [`DiLoCoConfig`] field by name, as keyword arguments and
     on the command line through [`~transformers.HfArgumentParser`] (each field is defined once, in `DiLoCoConfig`).
@@ -21,6 +22,8 @@ class DiLoCoTrainingArguments(TrainingArguments, DiLoCoSettings):
     Parameters:
         All of [`~transformers.TrainingArguments`] and all of [`DiLoCoConfig`] (`inner_steps`, `outer_lr`,
         `outer_momentum`, `num_fragments`, `sync_delay`, `compression`, `data_parallel_per_worker`, ...).
+        inner_optimizer (`str`): `adamw` (the Trainer's `optim`) or `muon` (Muon for the block stack's matrices,
+            AdamW for the rest: `hf_diloco/integrations/inner_optimizer.py`).
 
     Differences from `TrainingArguments`:
         - DiLoCo fields are validated first, before any device or process group is set up, and a bad value raises a
@@ -34,6 +37,7 @@ class DiLoCoTrainingArguments(TrainingArguments, DiLoCoSettings):
 
     def __post_init__(self) -> None:
         DiLoCoSettings.validate_diloco(self)
+        self.check_inner_optimizer()
         init_process_group_for_restart(self.use_cpu, self.ddp_timeout or 1800)
         super().__post_init__()
         self._check_accelerator_config()

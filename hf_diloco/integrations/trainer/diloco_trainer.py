@@ -31,11 +31,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import Trainer
 
 from ...parallel.pipeline import PipelineRunner
 from ..accelerate_worker import refuse_accelerate_fsdp
+from ..inner_optimizer import build_muon_with_adamw
 from ..output_lock import hold_output_folder
 from .arguments import DiLoCoTrainingArguments
 from .checkpoints import Checkpoints
@@ -132,6 +135,23 @@ class DiLoCoTrainer(
         self._shard_model_over_worker()
         self.add_callback(EngineStepCallback(self))
         self._keep_collectives_in_worker()
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The Trainer's optimizer, or with `inner_optimizer: muon` Muon for the block stack's matrices and AdamW for
+        the rest (`integrations/inner_optimizer.py`), at the run's learning rate and weight decay."""
+        if self.args.inner_optimizer != "muon" or self.optimizer is not None:
+            return super().create_optimizer(model)
+        opt_model = self.model if model is None else model
+        if any(isinstance(param, DTensor) for param in opt_model.parameters()):
+            raise ValueError(
+                "inner_optimizer: muon cannot run on a model sharded with FSDP (torch.optim.Muon orthogonalises whole "
+                "matrices, and each rank holds a shard): use inner_optimizer: adamw with fsdp, or train without fsdp."
+            )
+        adamw = dict(betas=(self.args.adam_beta1, self.args.adam_beta2), eps=self.args.adam_epsilon)
+        decay_names = self.get_decay_parameter_names(opt_model)
+        args = (opt_model, self.args.learning_rate, self.args.weight_decay, decay_names, adamw)
+        self.optimizer = build_muon_with_adamw(*args)
+        return self.optimizer
 
 
 class PipelinedDiLoCoTrainer(PipelineTrainerMixin, DiLoCoTrainer):
