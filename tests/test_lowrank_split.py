@@ -143,8 +143,10 @@ def _expected_intra(layout: ShardLayout, dp: int) -> int:
     """fp32 bytes rank `dp` sends inside its worker: the pieces of matrices another rank owns, then for each piece
     another rank holds of a matrix it owns, P^ of the rows the piece touches, Q' and the Q its worker sent."""
     compressed = _compressed()
-    owners = matrix_owners([SHAPES[i][0] * SHAPES[i][1] for i in compressed], RANKS)
     held = [torch.cat([torch.arange(o, o + n) for o, n in layout.runs[k]]) for k in range(RANKS)]
+    spans = [(_offsets()[i], SHAPES[i][0] * SHAPES[i][1]) for i in compressed]
+    values_held = [[int(((h >= start) & (h < start + n)).sum()) for h in held] for start, n in spans]
+    owners = matrix_owners([n for _, n in spans], values_held)
     values = 0
     for j, i in enumerate(compressed):
         start, (rows, cols) = _offsets()[i], SHAPES[i]
@@ -156,6 +158,16 @@ def _expected_intra(layout: ShardLayout, dp: int) -> int:
                 touched = int(inside.max()) // cols - int(inside.min()) // cols + 1
                 values += (touched + 2 * cols) * RANK
     return 4 * values
+
+
+def test_owners_keep_matrices_where_they_lie_within_a_balanced_load():
+    # halves of a vector: each matrix to the rank that holds it, the straddling one to the larger holder
+    assert matrix_owners([100, 100, 60], [[100, 0], [0, 100], [40, 20]]) == (0, 1, 0)
+    # rows split evenly (FSDP): no locality, so largest first to the less loaded rank, ties to the lower
+    assert matrix_owners([50, 40, 30, 20, 10], [[25, 25], [20, 20], [15, 15], [10, 10], [5, 5]]) == (0, 1, 1, 0, 0)
+    # never beyond the average load plus the largest matrix, however skewed the holding
+    assert matrix_owners([100] * 4, [[100, 0]] * 4) == (0, 0, 0, 1)
+    assert matrix_owners([], []) == ()
 
 
 @pytest.mark.timeout(300)
@@ -189,3 +201,89 @@ def test_split_low_rank_equals_whole_matrix_powersgd(kind, codec):
     kept = torch.tensor([results[dp]["warm_starts"] for dp in range(RANKS)])
     assert kept.sum(0).tolist() == [1] * len(_compressed())
     assert not hasattr(_ExchangeJob, "_gather_shares")
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+ENGINE_CASES = {
+    "plain": dict(inner_steps=4, num_fragments=2, sync_delay=1, lowrank_rank=2, error_feedback=True),
+    "int8": dict(
+        inner_steps=4, num_fragments=2, sync_delay=1, lowrank_rank=2, error_feedback=True, compression="int8"
+    ),
+}
+
+
+def _replica(config, seed: int = 0):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_diloco import DiLoCo
+    from tests.engine_common import INNER_LR, tiny_model
+
+    model = tiny_model(seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, config)
+    return model, optimizer, engine, DistributedDataParallel(model, process_group=engine.topology.data_parallel_group)
+
+
+def _train(replica, steps: range) -> None:
+    from tests.engine_common import BATCH, batch_for
+
+    model, optimizer, engine, ddp = replica
+    worker, dp = engine.topology.worker_index, engine.topology.dp_index
+    for t in steps:
+        ids = batch_for(worker, t)["input_ids"][dp * BATCH // RANKS : (dp + 1) * BATCH // RANKS]
+        ddp(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.step()
+
+
+def _engine_runs(rank: int, world: int) -> dict:
+    """Streaming fragments of a tiny Llama with DDP replicas, saved with fragment 0's exchange in flight and resumed
+    in a fresh replica (other weights: everything must come from the state)."""
+    from hf_diloco import DiLoCoConfig
+
+    out = {}
+    for name, settings in ENGINE_CASES.items():
+        config = DiLoCoConfig(data_parallel_per_worker=RANKS, **settings)
+        replica = _replica(config)
+        _train(replica, range(1, 7))
+        buffer = io.BytesIO()
+        torch.save(replica[2].state_dict(), buffer)
+        buffer.seek(0)
+        state = torch.load(buffer, weights_only=True)
+        _train(replica, range(7, 13))
+        replica[2].close()
+        resumed = _replica(config, seed=7)
+        resumed[2].load_state_dict(state)
+        _train(resumed, range(7, 13))
+        resumed[2].close()
+        out[name] = {
+            "in_flight": sorted(state["pending"]),
+            "global": replica[2].global_parameters(),
+            "local": {n: p.detach().clone() for n, p in replica[0].named_parameters()},
+            "resumed_global": resumed[2].global_parameters(),
+            "resumed_local": {n: p.detach().clone() for n, p in resumed[0].named_parameters()},
+            "compressed": [len(f.compressor.matrices) for f in replica[2].fragments],
+        }
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_engine_split_low_rank_keeps_replicas_and_workers_identical_and_resumes_bitwise():
+    results = run_on_processes(_engine_runs, WORKERS * RANKS, timeout_seconds=300)
+    for name in ENGINE_CASES:
+        first = results[0][name]
+        assert first["in_flight"] == [0] and min(first["compressed"]) >= 2, name
+        for result in results:
+            ours = result[name]
+            for param, value in first["global"].items():  # θg: every rank of every worker
+                assert torch.equal(ours["global"][param], value), (name, param)
+            for label in ("resumed_global", "resumed_local"):
+                kept = label.removeprefix("resumed_")
+                assert all(torch.equal(ours[label][p], ours[kept][p]) for p in ours[kept]), (name, label)
+        for worker in range(WORKERS):  # the replicas of a worker hold the same weights
+            a, b = (results[worker * RANKS + dp][name]["local"] for dp in range(RANKS))
+            assert all(torch.equal(a[p], b[p]) for p in a), name
+    plain, int8 = results[0]["plain"]["global"], results[0]["int8"]["global"]
+    assert any(not torch.equal(plain[p], int8[p]) for p in plain)  # the codec was used

@@ -2,8 +2,8 @@
 
 Each rank holds a share of the fragment's flat pseudo-gradient (a `ShardLayout`). PowerSGD multiplies whole
 matrices, so each compressed matrix is factored by one rank, its owner (`matrix_owners`: the largest matrix first,
-each to the rank with the fewest values so far, ties to the lower rank: the same on every worker, whose rank k
-therefore owns the same matrices as rank k of every other worker). One round on rank k of worker i:
+each to the rank that holds the most of it among those it leaves within the average load plus the largest matrix;
+the same on every worker, whose rank k therefore owns the same matrices as rank k of every other worker). One round on rank k of worker i:
 
 1. One `all_to_all` on the worker's data-parallel group moves every piece of a matrix that k holds but does not own
    to the owner, which assembles its matrices M (each value that is not on its owner's share crosses once).
@@ -74,12 +74,17 @@ class SplitPlan:
         return [piece for piece in self.pieces[holder] if self.owners[piece.matrix] == owner]
 
 
-def matrix_owners(sizes: list[int], ranks: int) -> tuple[int, ...]:
-    """Each matrix to one of `ranks` ranks: the largest first, to the rank with the fewest values so far (ties: the
-    lower rank, and the earlier matrix among equal sizes), so the ranks' loads stay balanced and deterministic."""
+def matrix_owners(sizes: list[int], held: list[list[int]]) -> tuple[int, ...]:
+    """Each matrix to one rank: the largest first, to the rank that holds the most of it (`held[j][k]`: values of
+    matrix j on rank k) among those it leaves within the average load plus the largest matrix (LPT scheduling's own
+    bound), ties to the less loaded rank, then the lower. So few values move to their owner, the loads stay balanced,
+    and every worker assigns alike."""
+    ranks = len(held[0]) if held else 1
+    bound = sum(sizes) / ranks + max(sizes, default=0)
     owners, load = [0] * len(sizes), [0] * ranks
     for index in sorted(range(len(sizes)), key=lambda j: (-sizes[j], j)):
-        owner = min(range(ranks), key=lambda k: (load[k], k))
+        fits = [k for k in range(ranks) if load[k] + sizes[index] <= bound] or list(range(ranks))
+        owner = min(fits, key=lambda k: (-held[index][k], load[k], k))
         owners[index] = owner
         load[owner] += sizes[index]
     return tuple(owners)
@@ -88,8 +93,6 @@ def matrix_owners(sizes: list[int], ranks: int) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=64)
 def split_plan(matrices: tuple[Matrix, ...], layout: ShardLayout, me: int) -> SplitPlan:
     """The plan for a fragment's `matrices` split by `layout` between its ranks, seen from rank `me`."""
-    ranks = len(layout.runs)
-    owners = matrix_owners([m.numel for m in matrices], ranks)
     starts = [m.offset for m in matrices]
     pieces: list[tuple[Piece, ...]] = []
     for runs in layout.runs:
@@ -105,6 +108,11 @@ def split_plan(matrices: tuple[Matrix, ...], layout: ShardLayout, me: int) -> Sp
                     held.append(Piece(index, lo - matrix.offset, hi - lo, at + lo - offset))
             at += length
         pieces.append(tuple(held))
+    held = [[0] * len(layout.runs) for _ in matrices]
+    for rank, pieces_of_rank in enumerate(pieces):
+        for piece in pieces_of_rank:
+            held[piece.matrix][rank] += piece.length
+    owners = matrix_owners([m.numel for m in matrices], held)
     outside = torch.ones(layout.length(me), dtype=torch.bool)
     for piece in pieces[me]:
         outside[piece.at : piece.at + piece.length] = False
