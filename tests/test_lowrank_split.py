@@ -18,7 +18,7 @@ import torch
 from hf_diloco.core.codecs import make_codec
 from hf_diloco.core.exchange import OuterExchange, _ExchangeJob
 from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
-from hf_diloco.core.lowrank_split import matrix_owners
+from hf_diloco.core.lowrank_split import assign_owners, matrix_owners
 from hf_diloco.core.shard import ShardLayout
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
@@ -95,6 +95,10 @@ def _rounds(rank: int, world: int, kind: str, codec: str) -> dict:
         _share(_delta(worker, ROUNDS - 1), layout, dp) + before_last, "t", compressor=resumed, layout=layout
     ).wait()
     exchange.close()
+    elsewhere = LowRankCompressor(SHAPES, rank=RANK, seed=SEED)
+    assign_owners(elsewhere, layout, 1 - dp)  # the other rank's matrices: this rank's state lacks their warm starts
+    with pytest.raises(ValueError, match="load each rank's own state file"):
+        elsewhere.load_state_dict(torch.load(io.BytesIO(saved), weights_only=True))
     return {
         "averages": averages,
         "residuals": residuals,

@@ -119,6 +119,12 @@ def split_plan(matrices: tuple[Matrix, ...], layout: ShardLayout, me: int) -> Sp
     return SplitPlan(owners, tuple(pieces), outside.nonzero().reshape(-1))
 
 
+def assign_owners(compressor: LowRankCompressor, layout: ShardLayout, me: int) -> None:
+    """Tell `compressor` which matrices each rank factors, so that rank `me` keeps only its own warm starts (and
+    refuses a state that lacks one of them when it is loaded)."""
+    compressor.assign_owners(split_plan(tuple(compressor.matrices), layout, me).owners, me)
+
+
 class SplitLowRank:
     """One low-rank round of rank `me` of a worker whose fragment is split by `layout` (see the module docstring).
 
