@@ -23,7 +23,8 @@ shards over the fast intra-worker link. All of it runs in one background thread 
 training continues while it is in flight.
 
 With a `LowRankCompressor` (see `lowrank.py`) a launch averages twice, `[P ++ rest]` then `[Q]`, each as above, and
-returns the low-rank approximation. With a `CompressionPolicy` (see `adaptive.py`) the job first broadcasts the
+returns the low-rank approximation. With a layout and D > 1 each matrix is factored by one rank of the worker and
+each rank averages its own `[P ++ rest]` and `[Q]` (`lowrank_split.py`): no rank gathers the fragment. With a `CompressionPolicy` (see `adaptive.py`) the job first broadcasts the
 decision of the outer group's first rank (`[rank, codec index]`, two int64) over the outer group, then from the
 worker's first data-parallel rank over the fast link, so every rank of every worker uses the same setting.
 """
