@@ -188,10 +188,17 @@ class SplitLowRank:
         ranks = len(plan.pieces)
         outgoing = [_cat([share[p.at : p.at + p.length] for p in plan.sent_to(self.me, k)]) for k in range(ranks)]
         received = self._all_to_all(outgoing, [sum(p.length for p in plan.sent_to(k, self.me)) for k in range(ranks)])
-        whole = {j: torch.empty(matrices[j].numel, dtype=torch.float32) for j in self.mine}
+        whole = {}
+        for piece in plan.sent_to(self.me, self.me):
+            if piece.length == matrices[piece.matrix].numel:  # held whole here: used where it lies, not copied
+                whole[piece.matrix] = share[piece.at : piece.at + piece.length]
+        for j in self.mine:
+            whole.setdefault(j, torch.empty(matrices[j].numel, dtype=torch.float32))
         for holder in range(ranks):
             source, at = (share, None) if holder == self.me else (received[holder], 0)
             for piece in plan.sent_to(holder, self.me):
+                if piece.length == matrices[piece.matrix].numel and holder == self.me:
+                    continue
                 begin = piece.at if at is None else at
                 whole[piece.matrix][piece.start : piece.start + piece.length] = source[begin : begin + piece.length]
                 at = None if at is None else at + piece.length
