@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hf_diloco.core.exchange import ScheduleTag
+
 RESULTS_DIR = "benchmarks/results"  # where stored results go, relative to the repository root (commands run there)
 
 METHODS: dict[str, dict | None] = {
@@ -214,13 +216,15 @@ def all_reduce_gradients(model: torch.nn.Module, world: int) -> int:
     return sent
 
 
-def exchange_bytes(pattern: str, workers: int, payload_bytes: float) -> float:
+def exchange_bytes(pattern: str, workers: int, payload_bytes: float, schedule_tag: bool = False) -> float:
     """Bytes one rank sends to average a vector whose whole encoded payload is `payload_bytes`, by the definition of
     the `exchange_pattern`: `reduce_scatter` sends M - 1 chunks of 1/M of it, then its averaged chunk to the M - 1
-    others (2 (M - 1) / M x payload); `all_gather` sends the whole payload to the M - 1 others ((M - 1) x payload)."""
+    others (2 (M - 1) / M x payload); `all_gather` sends the whole payload to the M - 1 others ((M - 1) x payload).
+    `schedule_tag`: plus the tag an engine's exchange sends each peer first (lock-step check, 24 bytes)."""
+    tag = (workers - 1) * ScheduleTag.NBYTES if schedule_tag else 0
     if pattern == "all_gather":
-        return (workers - 1) * payload_bytes
-    return 2 * (workers - 1) / workers * payload_bytes
+        return (workers - 1) * payload_bytes + tag
+    return 2 * (workers - 1) / workers * payload_bytes + tag
 
 
 def _ring_all_reduce_bytes(tensor: torch.Tensor, world: int) -> int:

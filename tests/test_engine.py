@@ -527,6 +527,42 @@ def _skip_one_step_on_rank_one(rank: int, world: int) -> dict:
     return {"global": session.engine.global_parameters(), "outer_steps": session.engine.stats["outer_steps"]}
 
 
+def _one_worker_misses_a_step_call(rank: int, world: int) -> dict:
+    from hf_diloco.core.exchange import WorkersOutOfStepError
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    config = DiLoCoConfig(inner_steps=4, num_fragments=2, sync_delay=1, sync_timeout_seconds=30)
+    engine = DiLoCo(model, optimizer, config)
+    started = time.monotonic()
+    try:
+        for step in range(1, 9):
+            inner_step(model, optimizer, rank, step)
+            if not (rank == 1 and step == 3):  # a front-end that counts only applied steps misses this call
+                engine.step()
+        engine.close()
+    except WorkersOutOfStepError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    return {"error": None, "global": engine.global_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_out_of_step_stops_every_worker_with_a_named_error():
+    """Worker 1 misses one `engine.step()` call: its schedule runs one step behind. Each exchange among a fixed group
+    starts with every worker's schedule tag, so both workers stop at the first exchange whose tags differ (worker 0's
+    launch of fragment 1 after step 8 against worker 1's final sync of fragment 0 after its step 7), naming both,
+    well within the sync timeout, instead of averaging different rounds or waiting for a tail that never comes."""
+    first, second = run_on_processes(_one_worker_misses_a_step_call, 2, timeout_seconds=60)
+    for result in (first, second):
+        assert result["error"] is not None, "the workers went on out of step"
+        assert "out of step" in result["error"]
+        assert "worker 0: the outer sync of fragment 1 at inner step 8" in result["error"]
+        assert "worker 1: its final sync of fragment 0 at inner step 7" in result["error"]
+        assert "GradScaler" in result["error"]
+        assert result["seconds"] < 20
+
+
 @pytest.mark.timeout(120)
 def test_workers_whose_scalers_skip_different_steps_stay_bitwise_in_step():
     """Two real workers, streaming with a delay; worker 1 skips step 3: both launch and apply every fragment at the

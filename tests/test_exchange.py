@@ -492,7 +492,7 @@ MISMATCHES = {
     "model": "different model shapes",
     "model_settings": "models with different configurations for pipeline stage 0",
     "extra": "The training script's fingerprint differs between ranks (ranks [1]",
-    "version": "different outer-exchange wire formats ([2, 3]",
+    "version": f"different outer-exchange wire formats ([{exchange_module.WIRE_FORMAT}, {exchange_module.WIRE_FORMAT + 1}]",
 }
 
 

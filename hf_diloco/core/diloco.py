@@ -31,7 +31,7 @@ from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig, refuse_unsupported
 from .devices import local_device
 from .elastic import ElasticRounds, Membership
-from .exchange import OuterExchange, PendingExchange
+from .exchange import OuterExchange, PendingExchange, ScheduleTag
 from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
@@ -291,7 +291,7 @@ class DiLoCo:
             self.elastic.launch(fragment, delta)
             return
         scale = self.round_policy.weigh(delta, fragment.index)  # `balanced`: this worker's share by its steps
-        pending = self._send(fragment, delta, "outer sync", blocking=self.overlap.blocking)
+        pending = self._send(fragment, delta, "launch", blocking=self.overlap.blocking)
         flight = InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta, scale=scale)
         self.overlap.launched(fragment, flight)
 
@@ -300,14 +300,17 @@ class DiLoCo:
             self.elastic.tail(fragment, delta)
             return
         delta = delta * scale if scale != 1.0 else delta
-        pending = self._send(fragment, delta, "final outer sync", blocking=True)
+        pending = self._send(fragment, delta, "tail", blocking=True)
         record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta, scale=scale))
         fragment.write_local(fragment.theta_g)
         self.rounds.publish(record)
 
-    def _send(self, fragment: Fragment, delta: torch.Tensor, what: str, blocking: bool) -> PendingExchange:
-        """Launch the exchange of one fragment's pseudo-gradient, its average decoded into the fragment's buffer."""
+    def _send(self, fragment: Fragment, delta: torch.Tensor, kind: str, blocking: bool) -> PendingExchange:
+        """Launch the exchange of one fragment's pseudo-gradient (`kind`: a round's "launch" or a "tail" of
+        `close()`), its average decoded into the fragment's buffer; the workers first check they are in step."""
         peers = self.topology.outer_peers()
+        what = "outer sync" if kind == "launch" else "final outer sync"
+        position, unit = self.round_policy.schedule_position(self.inner_step)
         return self.exchange.launch(
             delta.cpu(),
             f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {peers}",
@@ -316,6 +319,7 @@ class DiLoCo:
             context=self._launch_context(fragment),
             layout=fragment.values.layout,
             out=fragment.average_buffer(),
+            schedule=ScheduleTag(kind, fragment.index, position, unit),
         )
 
     def _launch_context(self, fragment: Fragment) -> dict:

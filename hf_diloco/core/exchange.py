@@ -58,7 +58,9 @@ from .topology import Topology, gather_rows
 
 # What crosses workers, and in which collectives. Workers check at start that they agree on it; bump it whenever an
 # exchange changes its collectives or payload layout. 2: the all-gather is an all_to_all, optional entropy coding.
-WIRE_FORMAT = 2
+# 3: an engine's exchange among a fixed group starts with its schedule tag (`ScheduleTag`). 4: low rank with D > 1
+# data-parallel ranks averages each rank's own matrices' factors and share of the rest (`lowrank_split.py`).
+WIRE_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,34 @@ class OuterSyncError(RuntimeError):
     """An outer exchange failed or did not finish in time."""
 
 
+class WorkersOutOfStepError(OuterSyncError):
+    """The workers of an exchange launched it at different points of their schedules: their averages would mix
+    pseudo-gradients of different rounds (or a tail would wait for a peer that never sends one)."""
+
+
+@dataclass(frozen=True)
+class ScheduleTag:
+    """Where in its schedule a worker launches an exchange; every worker of a fixed group must launch each exchange
+    at the same tag. `position` counts in `unit`: the inner step (`round_policy: steps`, every worker launches after
+    the same step) or the outer round (`balanced`, where workers launch after different numbers of steps)."""
+
+    kind: str  # "launch" | "tail"
+    fragment: int
+    position: int
+    unit: str = "inner step"
+
+    KINDS = ("launch", "tail")
+    NBYTES = 24  # sent to each peer before an exchange: three int64
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.KINDS.index(self.kind), self.fragment, self.position], dtype=torch.int64)
+
+    def describe(self, row: list[int]) -> str:
+        kind, fragment, position = row
+        what = "its final sync" if kind == 1 else "the outer sync"
+        return f"{what} of fragment {fragment} at {self.unit} {position}"
+
+
 class PendingExchange:
     """A launched exchange. Holds its buffers (inside the closure of the future) until the work is done."""
 
@@ -121,6 +151,8 @@ class PendingExchange:
     def wait(self) -> ExchangeResult:
         try:
             return self._future.result(timeout=self.timeout_seconds)
+        except OuterSyncError:
+            raise  # already says what happened and what to do (e.g. workers out of step)
         except TimeoutError as error:
             raise OuterSyncError(
                 f"{self.description} did not finish within sync_timeout_seconds={self.timeout_seconds:g}s. A peer "
@@ -248,6 +280,7 @@ class OuterExchange:
         layout: ShardLayout | None = None,
         outer: OuterGroup | None = None,
         out: torch.Tensor | None = None,
+        schedule: ScheduleTag | None = None,
     ) -> PendingExchange:
         """Start averaging `vector`; with `compressor`, average its low-rank approximation instead.
 
@@ -258,10 +291,14 @@ class OuterExchange:
         `out`: a contiguous fp32 CPU tensor of `vector`'s length that the average is written into and returned as
         (None: a fresh tensor). Decoding straight into memory already in use is several times cheaper than into a
         fresh model-sized vector (`buffers.py`).
+        `schedule`: where this worker's schedule launches the exchange. Among a fixed group (no `outer`) the workers
+        first all-gather it (24 bytes per worker, counted in `sent`) and every worker raises `WorkersOutOfStepError`
+        if any differs, before a payload is sent: a mismatched pairing would average different rounds silently.
         """
         vector = vector.detach().to(torch.float32).contiguous()
         check_output_vector(out, vector.numel(), "The average is written")
-        job = functools.partial(self.learn, _ExchangeJob(self, vector, compressor, context or {}, layout, outer, out))
+        parts = (self, vector, compressor, context or {}, layout, outer, out, schedule)
+        job = functools.partial(self.learn, _ExchangeJob(*parts))
         if blocking and self.inline_when_blocking:
             return PendingExchange.run_inline(job, description, self.timeout_seconds)
         if self._worker is None:
@@ -361,9 +398,11 @@ class _ExchangeJob:
         layout: ShardLayout | None = None,
         outer: OuterGroup | None = None,
         out: torch.Tensor | None = None,
+        schedule: ScheduleTag | None = None,
     ):
         self.exchange = exchange
         self.out = out
+        self.schedule = schedule
         topology = exchange.topology
         self.outer = outer or OuterGroup(topology.outer_group, topology.worker_index, topology.num_workers)
         self.counts_contributors = outer is not None
@@ -385,6 +424,8 @@ class _ExchangeJob:
         if ex.delay_seconds is not None:
             time.sleep(ex.delay_seconds())
         self.link_seconds = time.perf_counter() - started
+        if self.schedule is not None and not self.counts_contributors:
+            self._check_in_step(self.schedule)
         if not self.outer.contributes:
             self.vector = torch.zeros_like(self.vector)
         if self.counts_contributors and self.outer.weight is not None:
@@ -486,6 +527,26 @@ class _ExchangeJob:
             self.scale = self.contributors * weight / total
             if self.scale != 1.0:
                 self.vector = self.vector * self.scale
+
+    def _check_in_step(self, schedule: ScheduleTag) -> None:
+        """Lock-step by contract: every worker of the group launched this exchange at the same schedule tag. Each
+        worker sees every tag, so all of them raise together instead of pairing different rounds' payloads."""
+        outer = self.outer
+        if outer.size == 1 or outer.group is None:
+            return
+        mine = schedule.as_tensor()
+        everyone = gather_rows(mine, outer.group, outer.size)
+        self.sent += (outer.size - 1) * schedule.NBYTES
+        if bool((everyone == mine).all()):
+            return
+        launched = "; ".join(
+            f"worker {worker}: {schedule.describe(row)}" for worker, row in enumerate(everyone.tolist())
+        )
+        raise WorkersOutOfStepError(
+            f"The workers are out of step: {launched}. Every worker must call engine.step() once after every inner "
+            "optimizer step, including steps a GradScaler skipped, and train the same number of steps (the same "
+            "max_steps, gradient_accumulation_steps and resume point); restart every worker from the same checkpoint."
+        )
 
     def _clip_outlier(self) -> bool:
         """Robust aggregation: scale this contribution down to clip_factor x the lower median of the contributors'

@@ -123,6 +123,10 @@ class StepRounds(_RoundPolicy):
     def outer_rounds(self, step: int) -> int:
         return step // self.inner_steps
 
+    def schedule_position(self, step: int) -> tuple[int, str]:
+        """Where every worker launches the same exchange: after the same inner step."""
+        return step, "inner step"
+
     def global_step(self, step: int) -> int:
         return step
 
@@ -223,6 +227,10 @@ class BalancedRounds(_RoundPolicy):
 
     def outer_rounds(self, step: int) -> int:
         return self.rounds
+
+    def schedule_position(self, step: int) -> tuple[int, str]:
+        """Where every worker launches the same exchange: in the same outer round (after different step counts)."""
+        return self.rounds, "outer round"
 
     def global_step(self, step: int) -> int:
         """rounds x H + (local step) x H // h: the fastest worker's steps, H x rounds at every round's end."""
