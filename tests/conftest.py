@@ -75,6 +75,7 @@ ELASTIC_MODULES = {
     "test_readme_elastic",
     "test_heal_trust",
     "test_elastic_sites",
+    "test_elastic_trust",
 }
 
 

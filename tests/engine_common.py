@@ -137,12 +137,14 @@ def reference_run(
     eager_estimate: str = "own_share",
     tokens: int = VOCAB,
     lossy: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    outer_lr_factor: Callable[[int], float] | None = None,
 ) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Plain-torch simulation of M workers; returns (local params per worker, global params).
 
     `lossy`: an elementwise codec's round trip (e.g. to bf16 and back) with error feedback: every worker sends
     lossy(Δm + its residual) and keeps what that dropped; the mean of what was sent is sent through `lossy` again.
     Only for rounds (no tail at the end: a run of whole rounds).
+    `outer_lr_factor`: the outer learning rate of a fragment's k-th outer step (k from 0) is outer_lr x factor(k).
     """
     models = [tiny_model() for _ in range(workers)]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=INNER_LR) for m in models]
@@ -164,13 +166,20 @@ def reference_run(
         energy = float((own * own).sum())
         return min(1.0, max(1.0 / workers, float((own * mean).sum()) / energy if energy > 0 else 0.0))
 
-    def outer_update(values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor], momentum_of=buf) -> None:
+    steps_taken: dict[tuple[int, int], int] = {}  # (which outer optimizer, fragment) -> outer steps so far
+
+    def outer_update(
+        values: dict[str, torch.Tensor], mean_delta: dict[str, torch.Tensor], momentum_of=buf, fragment: int = 0
+    ) -> None:
+        key = (id(momentum_of), fragment)
+        lr = outer_lr * (outer_lr_factor(steps_taken.get(key, 0)) if outer_lr_factor else 1.0)
+        steps_taken[key] = steps_taken.get(key, 0) + 1
         for n, g in mean_delta.items():
             b = momentum_of.get(n)
             b = g.clone() if b is None else momentum * b + g
             momentum_of[n] = b
             step_dir = g + momentum * b if momentum > 0 else g
-            values[n] = values[n] - outer_lr * step_dir
+            values[n] = values[n] - lr * step_dir
 
     def set_local(worker: int, n: Unit, value: torch.Tensor) -> None:
         with torch.no_grad():
@@ -178,7 +187,7 @@ def reference_run(
 
     def apply_streaming(fragment: int, tau: int) -> None:
         _, mean_delta = in_flight.pop(fragment)
-        outer_update(glob, mean_delta)
+        outer_update(glob, mean_delta, fragment=fragment)
         for w in range(workers):
             for n in mean_delta:
                 local = rows_of(params[w], n).detach()
@@ -210,7 +219,7 @@ def reference_run(
             previous = in_flight.pop(p, None)
             in_flight[p] = (t + inner_steps, mean)
             if previous is not None:
-                outer_update(glob, previous[1])
+                outer_update(glob, previous[1], fragment=p)
             for w in range(workers):
                 if overlap == "delayed":
                     for n in frag_names:
@@ -236,7 +245,7 @@ def reference_run(
                 else:
                     others = {n: previous[1][n] - own_sent[p][w][n] / workers for n in frag_names}
                     estimate = {n: sent[w][n] / workers + others[n] for n in frag_names}
-                outer_update(anchor[w], estimate, eager_buf[w])
+                outer_update(anchor[w], estimate, eager_buf[w], fragment=p)
                 for n in frag_names:
                     set_local(w, n, anchor[w][n])
             own_sent[p] = sent
@@ -262,7 +271,7 @@ def reference_run(
             apply_streaming(fragment, 0)
         else:
             _, mean = in_flight.pop(fragment)
-            outer_update(glob, mean)
+            outer_update(glob, mean, fragment=fragment)
             for w in range(workers):
                 for n in mean:
                     set_local(w, n, glob[n])

@@ -22,12 +22,12 @@ SITES = ["site-a", "site-b"]
 
 
 def run_sites(
-    tmp_path: Path, die_at: dict[str, int] | None = None, round_policy: str = "steps"
+    tmp_path: Path, die_at: dict[str, int] | None = None, round_policy: str = "steps", **variables: str
 ) -> tuple[list[int], dict[str, str]]:
-    """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step); their exit codes and
-    logs."""
+    """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step; `variables` go to
+    their environment), then stop the Lighthouse; their exit codes and logs."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **variables}
     env["ROUND_POLICY"] = round_policy
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
@@ -39,7 +39,7 @@ def run_sites(
         for slot, site in enumerate(SITES):
             argv = [sys.executable, str(SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path)]
             argv += [str((die_at or {})[site])] if site in (die_at or {}) else []
-            log = (tmp_path / f"{site}.log").open("w")
+            log = (tmp_path / f"{site}.log").open("a")
             sites.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [process.wait(timeout=240) for process in sites]
     finally:
@@ -75,3 +75,21 @@ def test_a_trainer_site_lost_mid_run_leaves_the_other_to_finish_alone(tmp_path):
     # The first exchange (step 2) ran with both; the second (step 4) among the survivor alone, after a drop.
     assert summary["exchanges"] == 2 and summary["fewest_workers"] == 1 and summary["most_workers"] == 2, summary
     assert summary["drops"] >= 1, summary
+
+
+def test_trainer_sites_lost_with_their_lighthouse_resume_from_their_checkpoints(tmp_path):
+    """Both sites checkpoint at step 2 (θg and the outer state in each one's DiLoCo state) and die at step 3; the
+    Lighthouse is stopped. Restarted against a new one with `resume_from_checkpoint`, they resume at step 2 (one
+    exchange left, not two) and end with the same θg."""
+    codes, logs = run_sites(tmp_path, die_at={"site-a": 3, "site-b": 3}, SAVE_STEPS="2")
+    assert codes == [3, 3], logs
+    for site in SITES:
+        state = torch.load(tmp_path / site / "checkpoint-2" / "diloco_state_rank0.pt", weights_only=True)["engine"]
+        assert state["inner_step"] == 2 and state["elastic_progress"] > 0 and state["outer_optimizer"], site
+    codes, logs = run_sites(tmp_path, SAVE_STEPS="2", RESUME="1")
+    assert codes == [0, 0], logs
+    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
+    for name, value in a["global"].items():
+        assert torch.equal(value, b["global"][name]), name
+    for result in (a, b):
+        assert result["summary"]["exchanges"] == 1 and result["summary"]["fewest_workers"] == 2, result["summary"]

@@ -473,6 +473,8 @@ def _resume_mid_round(rank: int, world: int, overlap: str, pattern: str, extra: 
         # Adaptive with dense candidates, sign and error feedback. A hopeless link makes every choice the fewest
         # bytes, so the choices do not depend on measured step times.
         ("eager", "strided", RESUMABLE_ADAPTIVE),
+        # Each outer optimizer's round count (eager: the trajectory's too) is in the state with its momentum.
+        ("eager", "strided", {"outer_lr_schedule": "cosine", "outer_lr_total_rounds": 4, "outer_lr_warmup_rounds": 1}),
     ],
 )
 def test_delayed_and_eager_resume_bitwise_from_a_mid_round_state(overlap, pattern, extra):

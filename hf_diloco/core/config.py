@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from .codecs import COMPRESSIONS, check_topk_density
+from .outer_schedule import OUTER_LR_SCHEDULES, OuterLrSchedule
 
 ENV_PREFIX = "DILOCO_"
 FRAGMENT_PATTERNS = ("strided", "sequential", "balanced")
@@ -69,6 +70,12 @@ class DiLoCoConfig:
         outer_lr (`float`): learning rate of the outer SGD applied to the averaged pseudo-gradient.
         outer_momentum (`float`): momentum of the outer SGD.
         outer_nesterov (`bool`): Nesterov momentum for the outer SGD.
+        outer_lr_schedule (`str`): `constant`, `cosine` or `linear`: the outer learning rate over the run's rounds,
+            per fragment, decaying to `outer_lr_final_fraction` x `outer_lr` at the last round (`outer_schedule.py`).
+        outer_lr_warmup_rounds (`int`): rounds of linear warmup of the outer learning rate (0: none).
+        outer_lr_final_fraction (`float`): the decayed schedules' factor at the last round.
+        outer_lr_total_rounds (`int`): R, the rounds the schedule spans; 0: the front-ends take the run's
+            max_steps / inner_steps (the engine alone needs it set).
         round_policy (`str`): `steps` (every worker runs H inner steps per round) or `balanced` (each worker as many
             as its measured speed allows, the fastest H, so that all reach the exchange together; the average is
             weighted by the steps each trained: `round_policy.py`).
@@ -127,6 +134,26 @@ class DiLoCoConfig:
     outer_lr: float = field(default=0.7, metadata={"help": "Learning rate of the outer (Nesterov) SGD."})
     outer_momentum: float = field(default=0.9, metadata={"help": "Momentum of the outer SGD."})
     outer_nesterov: bool = field(default=True, metadata={"help": "Use Nesterov momentum in the outer SGD."})
+    outer_lr_schedule: str = field(
+        default="constant",
+        metadata={
+            "help": "The outer learning rate over the run, per fragment: constant, or cosine / linear decay to "
+            "outer_lr_final_fraction x outer_lr at the last round."
+        },
+    )
+    outer_lr_warmup_rounds: int = field(
+        default=0, metadata={"help": "Outer rounds of linear warmup of the outer learning rate (0: none)."}
+    )
+    outer_lr_final_fraction: float = field(
+        default=0.1, metadata={"help": "Cosine / linear outer schedule: the factor on outer_lr at the last round."}
+    )
+    outer_lr_total_rounds: int = field(
+        default=0,
+        metadata={
+            "help": "Rounds the outer schedule spans; 0: max_steps / inner_steps of the run (the Trainer, the main "
+            "job and a plugin given max_steps fill it in)."
+        },
+    )
     round_policy: str = field(
         default="steps",
         metadata={
@@ -337,6 +364,30 @@ class DiLoCoConfig:
         if self.lowrank_rank or self.adaptive_compression:
             raise ValueError("compression 'topk' cannot be combined with lowrank_rank or adaptive_compression.")
 
+    def outer_schedule(self) -> OuterLrSchedule | None:
+        """The outer learning rate's schedule; None when it is `outer_lr` throughout (constant, no warmup)."""
+        if self.outer_lr_schedule == "constant" and not self.outer_lr_warmup_rounds:
+            return None
+        if self.outer_lr_schedule != "constant" and not self.outer_lr_total_rounds:
+            raise ValueError(
+                f"outer_lr_schedule '{self.outer_lr_schedule}' needs outer_lr_total_rounds, the rounds it decays "
+                "over: set it (max_steps / inner_steps of your run), or pass max_steps to the front-end (the "
+                "Trainer, hf-diloco pretrain and DiLoCoPlugin.prepare(..., max_steps=...) fill it in)."
+            )
+        return OuterLrSchedule(
+            self.outer_lr_schedule,
+            self.outer_lr_total_rounds,
+            self.outer_lr_warmup_rounds,
+            self.outer_lr_final_fraction,
+        )
+
+    def with_outer_schedule_length(self, total_steps: int) -> DiLoCoConfig:
+        """This config with `outer_lr_total_rounds` taken from a run of `total_steps` inner steps where a decaying
+        schedule leaves it at 0 (and the run's length is known)."""
+        if self.outer_lr_schedule == "constant" or self.outer_lr_total_rounds or total_steps <= 0:
+            return self
+        return dataclasses.replace(self, outer_lr_total_rounds=max(1, total_steps // self.inner_steps))
+
     def validate_diloco(self) -> None:
         """Raise `ValueError` naming the first invalid field."""
         _check_int("inner_steps", self.inner_steps, minimum=1)
@@ -374,6 +425,10 @@ class DiLoCoConfig:
                 f"({self.pipeline_stages}) with pipeline_schedule='1f1b'; raise it or use 'gpipe'."
             )
         _check_float("outer_lr", self.outer_lr, low=0.0)
+        _check_choice("outer_lr_schedule", self.outer_lr_schedule, OUTER_LR_SCHEDULES)
+        _check_int("outer_lr_warmup_rounds", self.outer_lr_warmup_rounds, minimum=0)
+        _check_int("outer_lr_total_rounds", self.outer_lr_total_rounds, minimum=0)
+        _check_float("outer_lr_final_fraction", self.outer_lr_final_fraction, low=0.0, high=1.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
         _check_float("merge_alpha", self.merge_alpha, low=0.0, high=1.0)
         _check_float("sync_timeout_seconds", self.sync_timeout_seconds, low=0.0, low_open=True)
@@ -493,6 +548,10 @@ class DiLoCoConfig:
             "first_round_factor": 10.0,
             "topk_density": 1 / 64,
             "round_policy": "steps",
+            "outer_lr_schedule": "constant",
+            "outer_lr_warmup_rounds": 0,
+            "outer_lr_final_fraction": 0.1,
+            "outer_lr_total_rounds": 0,
         }
         shared = {k: v for k, v in self.shared_settings().items() if not (k in added_later and v == added_later[k])}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]

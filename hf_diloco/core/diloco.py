@@ -36,6 +36,7 @@ from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
 from .lowrank_split import assign_owners
+from .outer_schedule import learning_rate_now, scheduled
 from .overlap import Overlap, make_overlap
 from .round_policy import RoundClock, make_round_policy
 from .rounds import DivergenceGuard, RoundKeeper
@@ -90,6 +91,7 @@ class DiLoCo:
         membership: Membership | None = None,
     ):
         self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
+        config.outer_schedule()  # a decaying outer schedule without its length is refused before any work
         if membership is not None:
             check_elastic_supported(config, topology)
             topology = topology or Topology.single_process()
@@ -159,6 +161,8 @@ class DiLoCo:
         """Advance the schedule by one completed inner optimizer step."""
         if self._closed:
             raise _step_after_close(self.inner_step)
+        if self.elastic is not None:
+            self.elastic.check_can_train()
         self.clock.step_begins()
         self.inner_step += 1
         self.overlap.apply_due(self.fragments, self.inner_step)
@@ -256,21 +260,22 @@ class DiLoCo:
         (no read of the model): `local_global_drift` is ||θm - θg|| / ||θg|| measured at each fragment's last launch
         (0 before any), with D > 1 data-parallel ranks per worker that of this rank's share."""
         logs = {f"diloco/{key}": float(value) for key, value in self.stats.items()}
-        logs["diloco/local_global_drift"] = relative_drift(self.fragments)
-        logs["diloco/inner_step"] = float(self.inner_step)
-        logs.update(self.round_policy.metrics(self.inner_step, self.clock))
-        return logs
+        logs.update(fragment_metrics(self.config, self.fragments, self.inner_step))
+        return {**logs, **self.round_policy.metrics(self.inner_step, self.clock)}
 
     # ----------------------------------------------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict:
         """Everything needed to continue bitwise: waits for in-flight exchanges but does not apply them."""
-        return checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
+        state = checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
+        return state if self.elastic is None else self.elastic.with_progress(state)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a `state_dict()`, also one written before the engine was organised by fragment."""
+        """Restore a `state_dict()`, also an older layout's (under membership whoever is ahead wins: `resume`)."""
         self.inner_step, self.stats = checkpoint.load_engine_state(self._checkpointed_parts(), state)
         self.rounds.stats = self.stats
+        if self.elastic is not None:  # live peers, or another site's newer checkpoint, may be ahead of this one
+            self.elastic.resume(state)
         self._count_outer_state()
 
     def _checkpointed_parts(self) -> checkpoint.CheckpointedParts:
@@ -381,10 +386,21 @@ def _make_fragment(
 
 
 def outer_optimizer(config: DiLoCoConfig, tensor: torch.Tensor) -> torch.optim.Optimizer:
-    """One fragment's outer optimizer: SGD with the configured (Nesterov) momentum."""
+    """One fragment's outer optimizer: SGD with the configured (Nesterov) momentum, and the outer learning rate's
+    schedule where one is set (`outer_schedule.py`)."""
     momentum = config.outer_momentum
     nesterov = config.outer_nesterov and momentum > 0
-    return torch.optim.SGD([tensor], lr=config.outer_lr, momentum=momentum, nesterov=nesterov)
+    optimizer = torch.optim.SGD([tensor], lr=config.outer_lr, momentum=momentum, nesterov=nesterov)
+    scheduled(optimizer, config.outer_schedule(), config.outer_lr)
+    return optimizer
+
+
+def fragment_metrics(config: DiLoCoConfig, fragments: Sequence[Fragment], inner_step: int) -> dict[str, float]:
+    """The drift, the inner step and, with an outer schedule, the rate fragment 0's next outer step uses."""
+    logs = {"diloco/local_global_drift": relative_drift(fragments), "diloco/inner_step": float(inner_step)}
+    if config.outer_schedule() is not None:
+        logs["diloco/outer_lr"] = learning_rate_now(fragments[0].outer_optimizer, fragments[0].theta_g)
+    return logs
 
 
 def whole_parameters(fragments: Sequence[Fragment]) -> dict[str, torch.Tensor]:

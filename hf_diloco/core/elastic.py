@@ -40,7 +40,7 @@ import torch.distributed as dist
 from .checkpoint import load_shared_state, shared_state
 from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange
 from .fragment import Fragment, InFlight
-from .settings_check import check_same_settings
+from .settings_check import check_same_published
 
 if TYPE_CHECKING:
     from .config import DiLoCoConfig
@@ -96,9 +96,17 @@ class Membership(Protocol):
     def close(self) -> None:
         """Leave the job."""
 
+    # Optional (`getattr`): `earlier_members`, the workers of the job's last group before this one came (none for a
+    # fresh job), and `lighthouse`, where the job is found (what a worker alone is told); `progress()`, the job's
+    # committed rounds, stored in a checkpoint, and `resume_at(progress)`, which counts from a checkpoint's again.
+
 
 class MinWorkersTimeout(RuntimeError):
     """Fewer than `min_workers` workers could be reached within the configured bound."""
+
+
+class AloneWithoutState(RuntimeError):
+    """A worker of a job that has run finds no live peer and loaded no checkpoint: it would start the job over."""
 
 
 @dataclass
@@ -168,6 +176,7 @@ class ElasticRounds:
         self._tails_done: list[int] = []
         self._weight = 0.0  # `balanced`: the steps this worker's Δ of the exchange being formed covers
         self._contributing = {fragment.index for fragment in engine.fragments}
+        self.alone_without_state = False  # see `check_can_train`
         stats = engine.stats
         stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
         stats.exchange_retries = stats.heals = stats.heal_bytes = 0
@@ -176,24 +185,66 @@ class ElasticRounds:
 
     # ----------------------------------------------------------------------------------------------- the engine's
 
-    def join(self) -> None:
+    def join(self, view: RoundView | None = None) -> None:
         """The first group: every worker's start. A worker behind the others takes their state and then the exchange
         they are about to run."""
+        view = view or self._begin()
         while True:
-            view = self._begin()
             if view.healed and self._phase is not None:
                 self._run(None, None, view)
+                self.alone_without_state = False
                 return
             # Every member waits until the others have healed (a peer serves its state only until it commits), then
             # commits the join as a round: a worker that starts later is behind, and heals.
             if self._barrier(view) and self.membership.end_round():
+                # Alone in a job that has run: its own initial weights would start the job over (`check_can_train`).
+                earlier = getattr(self.membership, "earlier_members", [])
+                self.alone_without_state = view.size == 1 and not view.healed and bool(earlier)
                 return
+            view = self._begin()
+
+    def check_can_train(self) -> None:
+        """Refuse to train a worker that found no live peer in a job that has run and loaded no checkpoint (with
+        `min_workers` 1 nothing else stops it): it would train alone from its own initial weights and save that."""
+        if self.alone_without_state:
+            earlier = ", ".join(getattr(self.membership, "earlier_members", []))
+            lighthouse = getattr(self.membership, "lighthouse", "the job's Lighthouse")
+            raise AloneWithoutState(
+                f"This worker is alone: the Lighthouse {lighthouse} last formed a group of {earlier}, none of which "
+                "joined this worker's first group (gone, or not at an exchange within the Lighthouse's join timeout), "
+                "and this worker loaded no checkpoint, so it would train the job over from its own "
+                "initial weights (min_workers=1 lets a worker train alone). Resume it from the job's last checkpoint "
+                "(DiLoCo.load_state_dict; resume_from_checkpoint in the Trainer and hf-diloco pretrain), or start "
+                "it together with the other sites (start_workers=2 makes its first group wait for another), or "
+                "start a new Lighthouse for a new run."
+            )
+
+    def resume(self, state: dict) -> None:
+        """After the engine loaded a checkpoint: meet the others again at the checkpoint's progress (the torchft
+        step it was saved at), so that whoever is behind heals from whoever is ahead: this worker from live peers
+        that went on since, or a site whose checkpoint is older from one with a newer (a whole job restarted after
+        its Lighthouse was lost, where every site resumes at once)."""
+        resume_at = getattr(self.membership, "resume_at", None)
+        if resume_at is not None:
+            resume_at(int(state.get("elastic_progress", 0)))  # none stored: behind any live peer
+        self._phase, self._tails_done = None, []
+        self.join()
+        self.alone_without_state = False  # it holds the job's state: its checkpoint's, or a live peer's
+
+    def with_progress(self, state: dict) -> dict:
+        """A checkpoint `state` with the job's progress, for `resume`."""
+        progress = getattr(self.membership, "progress", None)
+        return state if progress is None else {**state, "elastic_progress": progress()}
 
     def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """Exchange the fragment's pseudo-gradient among the workers present and apply the average."""
         self._phase = ("launch", fragment.index)
         self._weight = float(self.engine.round_policy.launch_weights[fragment.index]) if self._balanced else 0.0
-        self._run(fragment, delta, self._begin())
+        view = self._begin()
+        if view.healed and self._phase is None:  # healed from peers meeting after a resume: their join is this one's
+            self.join(view)
+            return
+        self._run(fragment, delta, view)
 
     def tail(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """`close()`'s plain-average sync of a fragment's tail, among the workers present."""
@@ -381,9 +432,16 @@ class ElasticRounds:
 def check_peer_settings(config: DiLoCoConfig, state: dict) -> None:
     """Refuse a live peer's `global_state` written with other DiLoCo settings than `config`, naming each field with
     both values (only the fingerprints for a peer of a version that sent no settings)."""
-    check_same_settings(
-        config,
-        state,
+    mine = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
+    check_published_settings(mine, state)
+
+
+def check_published_settings(mine: dict, peer: dict) -> None:
+    """`check_peer_settings` between the `{"settings", "fingerprint"}` this worker and a live peer publish (what a
+    joiner compares before it takes part in a quorum)."""
+    check_same_published(
+        mine,
+        peer,
         "A live peer runs",
         "start this worker with the running workers' DiLoCo config",
         theirs="the peer",

@@ -425,7 +425,7 @@ class _ExchangeJob:
             time.sleep(ex.delay_seconds())
         self.link_seconds = time.perf_counter() - started
         if self.schedule is not None and not self.counts_contributors:
-            self._check_in_step(self.schedule)
+            self.sent += check_in_step(self.outer, self.schedule)
         if not self.outer.contributes:
             self.vector = torch.zeros_like(self.vector)
         if self.counts_contributors and self.outer.weight is not None:
@@ -528,25 +528,6 @@ class _ExchangeJob:
             if self.scale != 1.0:
                 self.vector = self.vector * self.scale
 
-    def _check_in_step(self, schedule: ScheduleTag) -> None:
-        """Lock-step by contract: every worker of the group launched this exchange at the same schedule tag. Each
-        worker sees every tag, so all of them raise together instead of pairing different rounds' payloads."""
-        outer = self.outer
-        if outer.size == 1 or outer.group is None:
-            return
-        mine = schedule.as_tensor()
-        everyone = gather_rows(mine, outer.group, outer.size)
-        self.sent += (outer.size - 1) * schedule.NBYTES
-        if bool((everyone == mine).all()):
-            return
-        launched = "; ".join(
-            f"worker {worker}: {schedule.describe(row)}" for worker, row in enumerate(everyone.tolist())
-        )
-        raise WorkersOutOfStepError(
-            f"The workers are out of step: {launched}. Every worker must call engine.step() once after every inner "
-            "optimizer step, including steps a GradScaler skipped, and train the same number of steps (the same "
-            "max_steps, gradient_accumulation_steps and resume point); restart every worker from the same checkpoint."
-        )
 
     def _clip_outlier(self) -> bool:
         """Robust aggregation: scale this contribution down to clip_factor x the lower median of the contributors'
@@ -701,6 +682,26 @@ class _ExchangeJob:
         gathered = torch.empty(topo.data_parallel_size * shard.numel(), dtype=shard.dtype)
         dist.all_gather(list(gathered.chunk(topo.data_parallel_size)), shard, group=topo.data_parallel_sync_group)
         return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
+
+
+def check_in_step(outer: OuterGroup, schedule: ScheduleTag) -> int:
+    """Lock-step by contract: every worker of the group launched this exchange at the same schedule tag; returns the
+    bytes sent. Each worker sees every tag, so all of them raise together instead of pairing different rounds'
+    payloads."""
+    if outer.size == 1 or outer.group is None:
+        return 0
+    mine = schedule.as_tensor()
+    everyone = gather_rows(mine, outer.group, outer.size)
+    if not bool((everyone == mine).all()):
+        launched = "; ".join(
+            f"worker {worker}: {schedule.describe(row)}" for worker, row in enumerate(everyone.tolist())
+        )
+        raise WorkersOutOfStepError(
+            f"The workers are out of step: {launched}. Every worker must call engine.step() once after every inner "
+            "optimizer step, including steps a GradScaler skipped, and train the same number of steps (the same "
+            "max_steps, gradient_accumulation_steps and resume point); restart every worker from the same checkpoint."
+        )
+    return (outer.size - 1) * schedule.NBYTES
 
 
 def _measured(job: _ExchangeJob, coded: str | None) -> dict:

@@ -22,6 +22,7 @@ from .buffers import BufferPool
 from .exchange import PendingExchange
 from .fragments import Piece
 from .lowrank import LowRankCompressor
+from .outer_schedule import before_step
 from .shard import Values, Worker
 
 OptimizerFactory = Callable[[torch.Tensor], torch.optim.Optimizer]
@@ -255,6 +256,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, tensor: torch.Tensor, gradi
     operations `SGD.step()` runs, so the bits are the same (`tests/test_buffers.py`); unpieced, its Nesterov term
     `gradient + momentum · buffer` is a fresh vector of the tensor's size every round. Any other optimizer steps as
     itself."""
+    before_step(optimizer, tensor)  # the outer learning rate's schedule, where one is set
     if _steps_in_pieces(optimizer, tensor, gradient):
         _sgd_step_in_pieces(optimizer, tensor, gradient)
         return

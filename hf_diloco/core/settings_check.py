@@ -27,16 +27,24 @@ def check_same_settings(
         what: the state's owner and verb, e.g. "This DiLoCo checkpoint was written".
         theirs, ours: how the message names the state's side and this process's side.
     """
+    mine = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
+    check_same_published(mine, state, what, way_out, theirs, ours)
+
+
+def check_same_published(
+    mine: dict, state: dict, what: str, way_out: str, theirs: str = "the checkpoint", ours: str = "this run"
+) -> None:
+    """`check_same_settings` with this side's settings given as the `{"settings", "fingerprint"}` a state carries."""
     if "settings" in state:
-        changes = setting_changes(state["settings"], config.shared_settings(), diloco_defaults())
+        changes = setting_changes(state["settings"], mine["settings"], diloco_defaults())
         if changes:
             raise ValueError(
                 f"{what} with other DiLoCo settings ({describe_changes(changes, theirs, ours)}): {way_out} "
                 f"({saved_values(changes)})."
             )
-    elif state["fingerprint"] != config.fingerprint():
+    elif state["fingerprint"] != mine["fingerprint"]:
         raise ValueError(
-            f"{what} with different DiLoCo settings (fingerprint {state['fingerprint']} != {config.fingerprint()}); "
+            f"{what} with different DiLoCo settings (fingerprint {state['fingerprint']} != {mine['fingerprint']}); "
             f"{way_out}."
         )
 

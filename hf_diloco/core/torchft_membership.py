@@ -20,9 +20,11 @@ import contextlib
 import hashlib
 import hmac
 import io
+import json
 import logging
 import os
 import pickle
+import re
 import socket
 import time
 import urllib.request
@@ -32,11 +34,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn
+from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn, check_published_settings
 
 logger = logging.getLogger(__name__)
 SECRET_VARIABLE = "HF_DILOCO_JOB_SECRET"
 SECRET_FILE_VARIABLE = "HF_DILOCO_JOB_SECRET_FILE"
+SETTINGS_KEY = "hf_diloco/settings"  # in each worker's own store: its DiLoCo settings, read by a joiner
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
 
@@ -106,6 +109,7 @@ class TorchftMembership:
         self._pg = None
         self._store = None
         self._store_socket: socket.socket | None = None
+        self.earlier_members: list[str] = []  # the Lighthouse's last quorum when this worker came (`bind`)
 
     def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
         """Join the job: the Manager starts heartbeating to the Lighthouse from here on."""
@@ -124,6 +128,14 @@ class TorchftMembership:
             wait_for_workers=False,
             master_listen_fd=self._store_socket.fileno(),
         )
+        members = _last_quorum_members(self.lighthouse, min(connect_timeout.total_seconds(), 10.0))
+        self.earlier_members = sorted({replica.split(":")[0] for replica, _ in members})
+        mine = _settings_of(state_dict())
+        if mine is not None:
+            # Before this worker's Manager heartbeats: from then on the Lighthouse waits for it, and the next quorum
+            # includes it, so a refusal at its heal would cost the live workers a failed exchange and a retry.
+            self._check_live_settings(mine, [store for _, store in members])
+            self._store.set(SETTINGS_KEY, json.dumps(mine))
         self._pg = ProcessGroupGloo(timeout=sync_timeout)
         with _servers_bound_to(self.host):
             self.manager = Manager(
@@ -193,6 +205,26 @@ class TorchftMembership:
                 raise DuplicateReplicaId(message)
             logger.error("%s This worker continues; the other one stops.", message)
 
+    def _check_live_settings(self, mine: dict, stores: list[str]) -> None:
+        """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field): the
+        settings a member of the Lighthouse's last quorum (its store in `stores`) published, read before this worker
+        is a participant. Nothing to compare with (a fresh job, no member reachable): the heal's own check remains."""
+        timeout = min(self._timeouts[2], 10.0)
+        for address in stores:
+            peer = _published_settings(address, timeout)
+            if peer is not None:
+                check_published_settings(mine, peer)
+                return
+
+    def progress(self) -> int:
+        """The job's committed rounds as torchft counts them (equal on every member after a commit): what a
+        checkpoint stores, so that a resumed worker is behind, equal to or ahead of the others as its state is."""
+        return self.manager.current_step()
+
+    def resume_at(self, progress: int) -> None:
+        """Count from a checkpoint's `progress`: at the next group whoever is behind heals from whoever is ahead."""
+        self.manager.load_state_dict({"step": progress, "batches_committed": self.manager.batches_committed()})
+
     def report_error(self, error: Exception) -> None:
         self.manager.report_error(error)
 
@@ -235,6 +267,43 @@ class TorchftMembership:
     def _error(self) -> str | None:
         error = self.manager.errored()
         return None if error is None else str(error.original_exception)
+
+
+def _settings_of(state: dict) -> dict | None:
+    """The `{"settings", "fingerprint"}` of a global state (None for a state that carries none)."""
+    if "settings" not in state or "fingerprint" not in state:
+        return None
+    return {"settings": state["settings"], "fingerprint": state["fingerprint"]}
+
+
+def _last_quorum_members(lighthouse: str, timeout: float) -> list[tuple[str, str]]:
+    """The (replica id, store `host:port`) of each member of the Lighthouse's last quorum, read from its status page
+    (torchft 0.2.0 has no other way to ask without joining); none for a fresh Lighthouse or a page not read."""
+    try:
+        with urllib.request.urlopen(f"{lighthouse.rstrip('/')}/status", timeout=timeout) as response:
+            page = response.read().decode(errors="replace")
+    except (OSError, ValueError) as error:
+        logger.warning(
+            "could not read the Lighthouse's status at %s (%s); settings compared at the heal", lighthouse, error
+        )
+        return []
+    return re.findall(r"<b>([^<]+)</b>.*?TCPStore:\s*(\S+?)\s*<br", page, flags=re.DOTALL)
+
+
+def _published_settings(address: str, timeout: float) -> dict | None:
+    """The settings a live worker published in its store at `address`; None when it does not answer (a member that
+    has left) or published none."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()  # a store gone: refused at once
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        if not store.check([SETTINGS_KEY]):
+            return None
+        return json.loads(store.get(SETTINGS_KEY))
+    except (OSError, ValueError, RuntimeError) as error:  # not reachable, gone meanwhile, or not hf_diloco's
+        logger.info("no settings from the live worker's store %s (%s)", address, error)
+        return None
 
 
 def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: bytes | None = None) -> object:

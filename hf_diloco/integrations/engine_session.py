@@ -100,6 +100,8 @@ class EngineSession:
             steps_label (`str`, *optional*): what the start-up line calls those steps.
             announce (`bool`, *optional*): whether this process speaks for the run (the main process).
         """
+        # A decaying outer schedule spans the run: its rounds from the steps the run will take, where they are known.
+        config = config.with_outer_schedule_length(total_steps if steps_label == "steps" else 0)
         membership = membership_from_config(config, topology)
         engine = DiLoCo(
             model,

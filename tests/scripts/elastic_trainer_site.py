@@ -4,7 +4,8 @@
     python tests/scripts/elastic_trainer_site.py LIGHTHOUSE SITE SLOT OUT [DIE_AT_STEP]
 
 With DIE_AT_STEP the process dies (no clean-up, as a lost machine) at the end of that Trainer step. The environment's
-ROUND_POLICY (default `steps`) is the run's `round_policy`.
+ROUND_POLICY (default `steps`) is the run's `round_policy`; with SAVE_STEPS the site checkpoints every that many
+steps, and with RESUME=1 it resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def main() -> None:
             min_workers_timeout=60,
             membership_sync_timeout=20,
             round_policy=os.environ.get("ROUND_POLICY", "steps"),
+            **(
+                {"save_strategy": "steps", "save_steps": int(os.environ["SAVE_STEPS"])}
+                if "SAVE_STEPS" in os.environ
+                else {}
+            ),
         )
     )
     # Each site its own data (a different seed) and its own initial weights: the first group makes them start alike.
@@ -57,7 +63,7 @@ def main() -> None:
     trainer = DiLoCoTrainer(
         model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=callbacks
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=os.environ.get("RESUME") == "1" or None)
     trainer.save_model()  # the global model and its card, in out/SITE
     engine = trainer.diloco
     result = {"global": engine.global_parameters(), "summary": engine.elastic.log.summary()}

@@ -8,7 +8,8 @@ step first sleeps `--stall_seconds` (after writing `stalling` to its event log),
 the worker while the others are inside that exchange; with `--wait_at STEP --wait_file F` it waits before that
 inner step until F exists (the test restarts a worker meanwhile). With `--rounds R` it runs until R outer rounds are
 done instead of `--steps`; with `--paced_seconds S` every inner step lasts S seconds (2 S with `--slowed`) whatever
-the machine's load. The event log (DIR/events_<replica>.jsonl) gets a line per
+the machine's load. With `--checkpoint_every N` it saves `engine.state_dict()` to DIR/checkpoint_<replica>.pt
+every N inner steps, and with `--resume` it loads that file (when there) after joining. The event log (DIR/events_<replica>.jsonl) gets a line per
 inner step and per exchange; DIR/final_<replica>.pt holds θg and the membership summary at the end.
 """
 
@@ -57,6 +58,8 @@ def main() -> None:
     parser.add_argument("--slowed", action="store_true")
     parser.add_argument("--wait_at", type=int, default=0)
     parser.add_argument("--wait_file", default=None)
+    parser.add_argument("--checkpoint_every", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
     cli = parser.parse_args()
     replica = cli.replica_id or f"worker{cli.slot}"
     out = Path(cli.out)
@@ -110,6 +113,10 @@ def main() -> None:
     globals_now = lambda: [f.theta_g for f in engine.fragments]  # noqa: E731
     event(kind="joined", step=engine.inner_step, theta_g=digest(globals_now()), seconds=time.time() - started,
           stats=dict(engine.stats))  # fmt: skip
+    checkpoint = out / f"checkpoint_{replica}.pt"
+    if cli.resume and checkpoint.exists():
+        engine.load_state_dict(torch.load(checkpoint, weights_only=True))
+        event(kind="resumed", step=engine.inner_step, theta_g=digest(globals_now()))
 
     stalled = []
 
@@ -139,6 +146,10 @@ def main() -> None:
         rounds = engine.outer_rounds
         engine.step()
         event(kind="step", step=engine.inner_step)
+        if cli.checkpoint_every and engine.inner_step % cli.checkpoint_every == 0:
+            torch.save(engine.state_dict(), checkpoint.with_suffix(".tmp"))
+            checkpoint.with_suffix(".tmp").replace(checkpoint)  # a kill never leaves half a checkpoint
+            event(kind="saved", step=engine.inner_step, theta_g=digest(globals_now()))
         if engine.outer_rounds > rounds:
             metrics = engine.metrics()
             event(kind="round", step=engine.inner_step, rounds=engine.outer_rounds,
