@@ -528,7 +528,6 @@ class _ExchangeJob:
             if self.scale != 1.0:
                 self.vector = self.vector * self.scale
 
-
     def _clip_outlier(self) -> bool:
         """Robust aggregation: scale this contribution down to clip_factor x the lower median of the contributors'
         norms. A worker that joined during the round sends -1 in place of its norm: its zeros are no contribution and
