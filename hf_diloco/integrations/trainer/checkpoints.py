@@ -47,6 +47,10 @@ RUN_SETTINGS_NAME = "diloco_run_settings.json"
 class Checkpoints:
     """Mixin of [`DiLoCoTrainer`]: saving, resuming and the run that was already finished.
 
+    Sets `diloco_run.model_is_global` for a finished run. Calls `_check_ranks_agree` and `_bounded_trainer_barrier`
+    (`RankAgreement`) and `_write_worker_steps` (`RoundSchedule`); `PipelineTrainerMixin` overrides
+    `_inner_state_is_per_rank`.
+
     Attributes:
         resumed_a_finished_run (`bool`): set by `train()`: the checkpoint it resumed from was at the last step.
     """
@@ -155,7 +159,7 @@ class Checkpoints:
         best = self.state.best_model_checkpoint
         use_best = self.args.load_best_model_at_end and best is not None and os.path.isdir(best)
         self._load_from_checkpoint(best if use_best else checkpoint)
-        self._model_is_global = True
+        self.diloco_run.model_is_global = True
         self.resumed_a_finished_run = True
         if self.is_world_process_zero():
             logger.warning(

@@ -11,7 +11,15 @@ engine (DiLoCo, Douillard et al. 2023, arXiv 2311.08105; Streaming DiLoCo, arXiv
 - `rank_agreement.py`: the settings every rank must share, and the bounded global points;
 - `global_model.py`: evaluation and saving on theta_g, the model card, the push to the Hub;
 - `round_schedule.py`: the global step and LR schedule under `round_policy: balanced` (workers of unequal speed);
-- `pipeline_stages.py`: the pipelined trainer (`pipeline_stages` > 1), chosen here at construction.
+- `pipeline_stages.py`: the pipelined trainer (`pipeline_stages` > 1), chosen here at construction;
+- `run_state.py`: `TrainerRunState`, the one object through which the mixins share data (`trainer.diloco_run`).
+
+What one mixin writes and another reads lives in `trainer.diloco_run`, made here before `Trainer.__init__` runs: the
+topology and global-point group, the engine's session, whether the model holds theta_g, the final evaluations, the
+settings `require_agreement` added, the card's arguments and the pipeline runner, each field naming who writes it and
+when. A mixin keeps on `self` only what it alone reads (`tests/test_trainer_structure.py`); `diloco`,
+`diloco_topology`, `pipeline_runner` and `model_card_kwargs` are properties over the state. Mixins still call some
+of each other's private methods (`_get_topology`, `_logged_at`, ...): each mixin's docstring names those it calls.
 
 The default process group stays the whole world, so the Trainer's rank-based file names, `should_save` on global
 rank 0 and Accelerate's data sharding by world rank keep working (with `pipeline_stages == 1` world-rank sharding
@@ -26,6 +34,7 @@ from typing import Any
 from torch import nn
 from transformers import Trainer
 
+from ...parallel.pipeline import PipelineRunner
 from ..accelerate_worker import refuse_accelerate_fsdp
 from ..output_lock import hold_output_folder
 from .arguments import DiLoCoTrainingArguments
@@ -35,6 +44,7 @@ from .global_model import GlobalModel
 from .pipeline_stages import PipelineTrainerMixin
 from .rank_agreement import RankAgreement
 from .round_schedule import RoundSchedule
+from .run_state import TrainerRunState
 from .worker_collectives import WorkerCollectives
 from .worker_sharding import WorkerSharding
 
@@ -58,6 +68,7 @@ class DiLoCoTrainer(
         diloco (`DiLoCo` or `None`): the engine of the current (or last) `train()` call.
         diloco_topology (`Topology`): this rank's worker, data-parallel index and process groups.
         pipeline_runner (`PipelineRunner` or `None`): this rank's pipeline stage, `None` when `pipeline_stages` is 1.
+        diloco_run (`TrainerRunState`): what the mixins share (`run_state.py`); the attributes above read it.
 
     Notes:
         - The model that `evaluate`, `predict`, `save_model` and checkpoints see is the global model theta_g; after
@@ -86,7 +97,10 @@ class DiLoCoTrainer(
           in `trainer.model` are freed).
     """
 
-    pipeline_runner = None
+    @property
+    def pipeline_runner(self) -> PipelineRunner | None:
+        """This rank's pipeline stage, `None` when `pipeline_stages` is 1."""
+        return self.diloco_run.pipeline_runner
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DiLoCoTrainer:
         arguments = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -102,13 +116,13 @@ class DiLoCoTrainer(
                 f"DiLoCoTrainer needs DiLoCoTrainingArguments, got {type(args).__name__}: build them with the same "
                 "keywords plus the DiLoCo fields."
             )
-        self.model_card_kwargs: dict[str, Any] = {}
-        self._settings_that_must_agree: dict[str, Any] = {}
-        self._final_metrics: dict[str, float] = {}  # evaluations of the model as train() left it
+        self.diloco_run = TrainerRunState()  # what the mixins share (`run_state.py`)
         super().__init__(model, args, *pos, **kwargs)
         self._get_topology()  # the global-point group, for the lock's verdict on every rank
         # One job per output folder, from before anything is written to the process's exit.
-        hold_output_folder(args.output_dir, args.process_index == 0, self._global_points, args.sync_timeout_seconds)
+        hold_output_folder(
+            args.output_dir, args.process_index == 0, self.diloco_run.global_points, args.sync_timeout_seconds
+        )
         if self.is_deepspeed_enabled:
             raise ValueError(
                 "DiLoCoTrainer does not support DeepSpeed (it shards over every process, across workers); to shard "

@@ -19,20 +19,25 @@ class EngineLifecycle:
     """
     Mixin of [`DiLoCoTrainer`]: process groups, model wrapping and the engine of each `train()` call.
 
-    Relies on `_settings_fingerprint`, `_naming_disagreements` and `_make_global_point_group` (`RankAgreement`), and
-    on `_load_diloco_state` (`Checkpoints`).
+    Writes `diloco_run.topology`, `session`, `model_is_global` and empties `final_metrics` (`run_state.py`). Calls
+    `_settings_fingerprint`, `_naming_disagreements` and `_make_global_point_group` (`RankAgreement`),
+    `_load_diloco_state` (`Checkpoints`), `_logged_at` and, from its step callback, `_follow_the_round`
+    (`RoundSchedule`).
 
     Attributes:
         diloco_topology (`Topology`): this rank's worker, data-parallel index and process groups.
     """
 
-    diloco_topology: Topology | None = None
-    _session: EngineSession | None = None
-
     @property
     def diloco(self) -> DiLoCo | None:
         """The engine of the current (or last) `train()` call, `None` before the first."""
-        return None if self._session is None else self._session.engine
+        session = self.diloco_run.session
+        return None if session is None else session.engine
+
+    @property
+    def diloco_topology(self) -> Topology | None:
+        """This rank's worker, data-parallel index and process groups (made in `Trainer.__init__`)."""
+        return self.diloco_run.topology
 
     @property
     def diloco_module(self) -> nn.Module:
@@ -47,16 +52,17 @@ class EngineLifecycle:
     # ---- process groups and model wrapping ----
 
     def _get_topology(self) -> Topology:
-        if self.diloco_topology is None:
+        run = self.diloco_run
+        if run.topology is None:
             _ = self.args.device  # initializes the default process group when launched distributed
-            self.diloco_topology = worker_topology(
+            run.topology = worker_topology(
                 self.args,
                 self.args.world_size,
                 "On a machine without GPUs pass --use_cpu (DiLoCoTrainingArguments(use_cpu=True)) or set "
                 "ACCELERATE_USE_CPU=1; to train one worker, launch one process.",
             )
             self._make_global_point_group()
-        return self.diloco_topology
+        return run.topology
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -72,10 +78,11 @@ class EngineLifecycle:
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        if self._session is not None:
-            self._session.engine.close()
+        run = self.diloco_run
+        if run.session is not None:
+            run.session.engine.close()
         with self._naming_disagreements(resume_from_checkpoint):
-            self._session = EngineSession.start(
+            run.session = EngineSession.start(
                 self.diloco_module,
                 self.optimizer,
                 self.args.diloco_config(),
@@ -85,22 +92,22 @@ class EngineLifecycle:
                 num_blocks=self.diloco_num_blocks,
                 extra_fingerprint=self._settings_fingerprint(resume_from_checkpoint),
             )
-        self._model_is_global = False
-        self._final_metrics = {}
+        run.model_is_global = False
+        run.final_metrics = {}
         if resume_from_checkpoint is not None:
             self._load_diloco_state(resume_from_checkpoint)
         self._logged_at()
         return model, train_dataloader
 
     def _finalize_training(self, trial, num_train_samples, start_time):
-        if self._session is not None:
+        if self.diloco_run.session is not None:
             self._close_engine()
-            self._model_is_global = True
+            self.diloco_run.model_is_global = True
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def _close_engine(self) -> None:
         """Apply what is in flight, sync the tails and copy theta_g into the model."""
-        self._session.close()
+        self.diloco_run.session.close()
 
 
 class EngineStepCallback(TrainerCallback):
@@ -110,10 +117,12 @@ class EngineStepCallback(TrainerCallback):
         self._trainer = trainer
 
     def on_step_begin(self, args, state, control, **kwargs) -> None:
-        if self._trainer._session is not None:
-            self._trainer._session.step_begin()
+        session = self._trainer.diloco_run.session
+        if session is not None:
+            session.step_begin()
 
     def on_optimizer_step(self, args, state, control, **kwargs) -> None:
-        if self._trainer._session is not None:
-            self._trainer._session.step_end(skipped=self._trainer.accelerator.optimizer_step_was_skipped)
+        session = self._trainer.diloco_run.session
+        if session is not None:
+            session.step_end(skipped=self._trainer.accelerator.optimizer_step_was_skipped)
             self._trainer._follow_the_round(state)

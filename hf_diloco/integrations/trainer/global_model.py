@@ -27,27 +27,35 @@ ALL_RESULTS_NAME = "all_results.json"
 class GlobalModel:
     """Mixin of [`DiLoCoTrainer`]: evaluation and saving on theta_g, the model card and the push to the Hub.
 
+    Reads `diloco_run.model_is_global` and `every_rank_saves_the_model`, fills `final_metrics`. Calls `_get_topology`
+    (`EngineLifecycle`) and `_gathers_on_global_points` (`WorkerCollectives`).
+
     Attributes:
         model_card_kwargs (`dict`): the arguments of `create_model_card` (and `push_to_hub`), kept for every later
             card.
     """
 
-    _model_is_global = False  # after train(): the model holds theta_g (or the best checkpoint's)
-    # Whether every rank takes part in writing the model (a pipelined trainer gathers its stages), not only the saver.
-    _every_rank_saves_the_model = False
+    @property
+    def model_card_kwargs(self) -> dict[str, Any]:
+        """The arguments of `create_model_card` (and `push_to_hub`), kept for every later card."""
+        return self.diloco_run.model_card_kwargs
+
+    @model_card_kwargs.setter
+    def model_card_kwargs(self, value: dict[str, Any]) -> None:
+        self.diloco_run.model_card_kwargs = value
 
     def _global_weights(self) -> contextlib.AbstractContextManager:
         # After training the model already holds theta_g, or the best checkpoint's weights with
         # `load_best_model_at_end`, which swapping in the engine's last theta_g would silently replace.
-        if self.diloco is None or self._model_is_global:
+        if self.diloco is None or self.diloco_run.model_is_global:
             return contextlib.nullcontext()
         return self.diloco.global_weights()
 
     def evaluate(self, *args, **kwargs) -> dict[str, float]:
         with self._global_weights(), self._gathers_on_global_points():
             metrics = super().evaluate(*args, **kwargs)
-        if self._model_is_global:
-            self._final_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+        if self.diloco_run.model_is_global:
+            self.diloco_run.final_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
         return metrics
 
     def predict(self, *args, **kwargs):
@@ -58,7 +66,7 @@ class GlobalModel:
         """Save the global model theta_g and, on the saving process, its DiLoCo model card as `README.md`."""
         # With D > 1 ranks per worker each holds 1/D of theta_g, and swapping it in is a collective inside the worker.
         spread = self._get_topology().data_parallel_size > 1
-        takes_part = self.args.should_save or self._every_rank_saves_the_model or spread
+        takes_part = self.args.should_save or self.diloco_run.every_rank_saves_the_model or spread
         with self._global_weights() if takes_part else contextlib.nullcontext():
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
@@ -108,11 +116,11 @@ class GlobalModel:
         super().save_metrics(split, metrics, combined)
         folder = Path(self.args.output_dir)
         results_file, card = folder / ALL_RESULTS_NAME, folder / "README.md"
-        if not (self.is_world_process_zero() and self._model_is_global and results_file.is_file()):
+        if not (self.is_world_process_zero() and self.diloco_run.model_is_global and results_file.is_file()):
             return
         results = {k: v for k, v in json.loads(results_file.read_text()).items() if k.startswith("eval_")}
         if results and has_diloco_tag(card):
-            self._final_metrics = results
+            self.diloco_run.final_metrics = results
             self._write_model_card(folder)
 
     def _write_model_card(self, folder: str) -> None:
@@ -168,8 +176,8 @@ class GlobalModel:
 
     def _card_results(self) -> tuple[dict[str, float], str]:
         """Metrics of an evaluation of exactly the weights being saved, and when it was taken."""
-        if self._model_is_global:
-            return dict(self._final_metrics), "after training"
+        if self.diloco_run.model_is_global:
+            return dict(self.diloco_run.final_metrics), "after training"
         # During training a checkpoint holds theta_g of its step, which an evaluation at that step scored.
         step, results = self.state.global_step, {}
         for entry in self.state.log_history:

@@ -58,13 +58,13 @@ from .attributes import temporarily_set
 class PipelineTrainerMixin:
     """Pipeline-parallel training for [`DiLoCoTrainer`] (see the module docstring); mix in before `DiLoCoTrainer`.
 
-    Relies on the trainer's `_get_topology()` for this rank's stage, data shard and process groups.
+    Relies on the trainer's `_get_topology()` for this rank's stage, data shard and process groups; writes
+    `diloco_run.pipeline_runner` and `every_rank_saves_the_model`, and reads `global_points`. Overrides
+    `_close_engine` (`EngineLifecycle`) and `_inner_state_is_per_rank` (`Checkpoints`).
 
     Attributes:
         pipeline_runner (`PipelineRunner`): this rank's stage.
     """
-
-    _every_rank_saves_the_model = True  # each stage's theta_g is gathered to the rank that writes
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,7 +86,7 @@ class PipelineTrainerMixin:
                 "Evaluation reports the loss (eval_loss)."
             )
         topology = self._get_topology()
-        self.pipeline_runner = PipelineRunner(
+        runner = self.diloco_run.pipeline_runner = PipelineRunner(
             self.model,
             stage_index=topology.stage_index,
             num_stages=args.pipeline_stages,
@@ -98,11 +98,10 @@ class PipelineTrainerMixin:
         )
         # The plan and the start-up check ran where the model was built (the Trainer left it there, see
         # `_move_model_to_device`); only this rank's stage reaches the training device.
-        self.pipeline_runner.place_own_stage()
-        self._tied_pair = bool(self.pipeline_runner.tied_parameters())
-        self._engine_module = _without(
-            self.pipeline_runner.stage_module, self.pipeline_runner.stage_module.tied_copy_names
-        )
+        runner.place_own_stage()
+        self.diloco_run.every_rank_saves_the_model = True  # each stage's theta_g is gathered to the rank that writes
+        self._tied_pair = bool(runner.tied_parameters())
+        self._engine_module = _without(runner.stage_module, runner.stage_module.tied_copy_names)
         if self._tied_pair:
             self.add_callback(_TiedCopyCallback(self))
 
@@ -292,7 +291,7 @@ class PipelineTrainerMixin:
             totals = self._pipeline_eval_sums(dataloader)
         if self._get_topology().stage_index != 0:
             totals.zero_()  # every stage of a pipeline saw the same loss: count each pipeline once
-        group = self._global_points
+        group = self.diloco_run.global_points
         if group is not None:
             wait_for_all_ranks(group, f"the end of evaluation ({description})", self.args.sync_timeout_seconds)
             dist.all_reduce(totals, group=group)

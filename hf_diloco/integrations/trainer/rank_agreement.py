@@ -28,9 +28,10 @@ from ..global_points import check_ranks_agree, fingerprint, global_point_group, 
 
 
 class RankAgreement:
-    """Mixin of [`DiLoCoTrainer`]: the settings every rank must share and the bounded global points."""
+    """Mixin of [`DiLoCoTrainer`]: the settings every rank must share and the bounded global points.
 
-    _global_points: dist.ProcessGroup | None = None
+    Writes `diloco_run.global_points` (with the topology) and `required_settings`.
+    """
 
     def require_agreement(self, name: str, value: Any) -> None:
         """
@@ -39,7 +40,7 @@ class RankAgreement:
         (`settings_to_resume_with`). `value` must be JSON-serialisable; give a large one as
         `hf_diloco.integrations.global_points.fingerprint(value)`.
         """
-        self._settings_that_must_agree[name] = value
+        self.diloco_run.required_settings[name] = value
 
     def settings_that_must_agree(self, checkpoint: str | None = None) -> dict[str, Any]:
         """
@@ -67,7 +68,7 @@ class RankAgreement:
         config = getattr(self.model, "config", None)
         if config is not None and hasattr(config, "to_dict"):
             settings["model_config"] = architecture(config)
-        settings.update(self._settings_that_must_agree)
+        settings.update(self.diloco_run.required_settings)
         return settings
 
     def settings_to_resume_with(self) -> dict[str, Any]:
@@ -86,7 +87,7 @@ class RankAgreement:
             "seed": args.seed,
             "data_seed": args.data_seed,
             **args.shared_diloco_settings(),
-            **self._settings_that_must_agree,
+            **self.diloco_run.required_settings,
         }
 
     def _settings_fingerprint(self, checkpoint: str | None = None) -> str:
@@ -97,7 +98,7 @@ class RankAgreement:
         """Exchange `settings_that_must_agree` and raise `SettingsMismatchError` naming each one that differs."""
         check_ranks_agree(
             self.settings_that_must_agree(checkpoint),
-            self._global_points,
+            self.diloco_run.global_points,
             self.args.sync_timeout_seconds,
             point="the start of training",
         )
@@ -116,7 +117,7 @@ class RankAgreement:
 
     def _make_global_point_group(self) -> None:
         """The gloo group of all ranks for the global points; made once, with the process groups of the topology."""
-        self._global_points = global_point_group(self.args.sync_timeout_seconds)
+        self.diloco_run.global_points = global_point_group(self.args.sync_timeout_seconds)
 
     def wait_for_all_ranks(self, point: str) -> None:
         """
@@ -124,7 +125,7 @@ class RankAgreement:
         `sync_timeout_seconds`; then raise `PeerTimeoutError` naming the point and the ranks that did not arrive.
         Every rank must call it, in the same order as the trainer's other global points.
         """
-        wait_for_all_ranks(self._global_points, point, self.args.sync_timeout_seconds)
+        wait_for_all_ranks(self.diloco_run.global_points, point, self.args.sync_timeout_seconds)
 
     @contextlib.contextmanager
     def _bounded_trainer_barrier(self, point: str) -> Iterator[None]:

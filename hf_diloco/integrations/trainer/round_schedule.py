@@ -50,6 +50,9 @@ class RoundSchedule:
     """
     Mixin of [`DiLoCoTrainer`]: the Trainer's global step and LR schedule under `round_policy: balanced` (see the
     module docstring). Under `steps` it changes nothing.
+
+    Calls `_get_topology` (`EngineLifecycle`); `EngineLifecycle` calls its `_logged_at` and `_follow_the_round`,
+    `WorkerCollectives` its `_logged_at` and `_steps_since_last_log`.
     """
 
     _inner_step_at_last_log: int | None = None

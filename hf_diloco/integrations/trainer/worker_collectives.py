@@ -25,7 +25,11 @@ from .attributes import temporarily_set
 
 
 class WorkerCollectives:
-    """Mixin of [`DiLoCoTrainer`]: the Trainer's per-step gathers, loss scale, logging and FLOs inside the worker."""
+    """Mixin of [`DiLoCoTrainer`]: the Trainer's per-step gathers, loss scale, logging and FLOs inside the worker.
+
+    Reads `diloco_run.global_points` and `session`. Calls `_get_topology` (`EngineLifecycle`), `_steps_since_last_log`
+    and `_logged_at` (`RoundSchedule`).
+    """
 
     def _keep_collectives_in_worker(self) -> None:
         """Wrap whichever `compute_loss` / `training_step` the class hierarchy ends with (call once, in `__init__`)."""
@@ -70,7 +74,7 @@ class WorkerCollectives:
         points, bounded by `sync_timeout_seconds`, instead of the accelerator's default group: on GPUs that is an
         NCCL communicator across the workers, which cannot reach across sites (invariant 4 of docs/design.md).
         """
-        group, accelerator = self._global_points, self.accelerator
+        group, accelerator = self.diloco_run.global_points, self.accelerator
         if group is None or "pad_across_processes" in vars(accelerator):  # one process, or already routed
             yield
             return
@@ -177,8 +181,9 @@ class WorkerCollectives:
         if grad_norm is not None:
             logs["grad_norm"] = grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
         logs["learning_rate"] = lr if lr is not None else self._get_learning_rate()
-        if self._session is not None:
-            logs.update(self._session.metrics())
+        session = self.diloco_run.session
+        if session is not None:
+            logs.update(session.metrics())
         self._total_loss_scalar += loss_scalar
         self._globalstep_last_logged = self.state.global_step
         self._logged_at()

@@ -31,6 +31,8 @@ class WorkerSharding:
     """Mixin of [`DiLoCoTrainer`]: the Trainer's `fsdp` settings shard the model over each worker (see the module
     docstring).
 
+    Sets `diloco_run.every_rank_saves_the_model` when sharding. Calls `_get_topology` (`EngineLifecycle`).
+
     Attributes:
         worker_fsdp (`WorkerFSDPSettings` or `None`): how the model is sharded, `None` when `fsdp` is not set.
     """
@@ -56,7 +58,7 @@ class WorkerSharding:
         self.worker_fsdp = WorkerFSDPSettings.from_plugin_args(self.args.fsdp_plugin_args, config)
         self._get_topology()  # the worker groups exist before the worker meshes
         shard_worker_model(self.model, config, self.worker_fsdp)
-        self._every_rank_saves_the_model = True  # the full state dict is gathered inside every worker
+        self.diloco_run.every_rank_saves_the_model = True  # the full state dict is gathered inside every worker
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self.worker_fsdp is None or state_dict is not None:
