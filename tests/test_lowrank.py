@@ -19,7 +19,7 @@ from hf_diloco.core.adaptive import (
     policy_compressions,
 )
 from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import OuterExchange
+from hf_diloco.core.exchange import OuterExchange, ScheduleTag
 from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
@@ -450,7 +450,8 @@ def _engine_run(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 def _rank2_round_bytes(shapes: list[tuple]) -> int:
-    """Bytes one worker sends for one rank-2 fp32 round of these tensors: P and the rest, then Q (2 workers)."""
+    """Bytes one worker sends for one rank-2 fp32 round of these tensors: the schedule tag, P and the rest, then Q
+    (2 workers)."""
     rows = cols = rest = 0
     for shape in shapes:
         numel = torch.Size(shape).numel()
@@ -458,7 +459,7 @@ def _rank2_round_bytes(shapes: list[tuple]) -> int:
             rows, cols = rows + shape[0], cols + numel // shape[0]
         else:
             rest += numel
-    return _wire_bytes(rows * 2 + rest, 2, 4) + _wire_bytes(cols * 2, 2, 4)
+    return ScheduleTag.NBYTES + _wire_bytes(rows * 2 + rest, 2, 4) + _wire_bytes(cols * 2, 2, 4)
 
 
 @pytest.mark.timeout(300)

@@ -35,6 +35,7 @@ from .exchange import OuterExchange, PendingExchange, ScheduleTag
 from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
+from .lowrank_split import assign_owners
 from .outer_schedule import learning_rate_now, scheduled
 from .overlap import Overlap, make_overlap
 from .round_policy import RoundClock, make_round_policy
@@ -378,6 +379,8 @@ def _make_fragment(
             track_energy=config.adaptive_compression,
             compression=config.compression,
         )
+        if values.worker.size > 1:  # each matrix is factored by one data-parallel rank, which keeps its warm start
+            assign_owners(fragment.compressor, values.layout, values.worker.index)
     overlap.prepare(fragment, make_optimizer)
     return fragment
 

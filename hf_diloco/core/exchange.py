@@ -23,7 +23,8 @@ shards over the fast intra-worker link. All of it runs in one background thread 
 training continues while it is in flight.
 
 With a `LowRankCompressor` (see `lowrank.py`) a launch averages twice, `[P ++ rest]` then `[Q]`, each as above, and
-returns the low-rank approximation. With a `CompressionPolicy` (see `adaptive.py`) the job first broadcasts the
+returns the low-rank approximation. With a layout and D > 1 each matrix is factored by one rank of the worker and
+each rank averages its own `[P ++ rest]` and `[Q]` (`lowrank_split.py`): no rank gathers the fragment. With a `CompressionPolicy` (see `adaptive.py`) the job first broadcasts the
 decision of the outer group's first rank (`[rank, codec index]`, two int64) over the outer group, then from the
 worker's first data-parallel rank over the fast link, so every rank of every worker uses the same setting.
 """
@@ -51,13 +52,15 @@ from .buffers import BufferPool
 from .codecs import COMPRESSIONS, Codec, check_output_vector, coding_pool
 from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
+from .lowrank_split import SplitLowRank
 from .shard import ShardLayout
 from .topology import Topology, gather_rows
 
 # What crosses workers, and in which collectives. Workers check at start that they agree on it; bump it whenever an
 # exchange changes its collectives or payload layout. 2: the all-gather is an all_to_all, optional entropy coding.
-# 3: an engine's exchange among a fixed group starts with its schedule tag (`ScheduleTag`).
-WIRE_FORMAT = 3
+# 3: an engine's exchange among a fixed group starts with its schedule tag (`ScheduleTag`). 4: low rank with D > 1
+# data-parallel ranks averages each rank's own matrices' factors and share of the rest (`lowrank_split.py`).
+WIRE_FORMAT = 4
 
 
 @dataclass(frozen=True)
@@ -409,7 +412,7 @@ class _ExchangeJob:
         self.compressor = compressor
         self.context = context or {}
         self.layout = layout
-        # With a layout and D > 1, the vector is this rank's share; the low-rank path first gathers the whole of it.
+        # With a layout and D > 1, the vector is this rank's share of a fragment split between the worker's ranks.
         self.owned = layout is not None and exchange.topology.data_parallel_size > 1
         self.sent = self.intra = 0
         self.link_seconds = 0.0
@@ -429,31 +432,46 @@ class _ExchangeJob:
             self._weigh_contributions()
         elif self.counts_contributors:
             self.contributors = self._count_contributors()
-        if self.compressor is not None and self.owned:
-            # PowerSGD multiplies whole matrices: the fragment's pseudo-gradient is gathered inside the worker.
-            self.vector, self.owned = self._gather_shares(self.vector), False
         clipped = self._clip_outlier() if ex.clip_factor > 0 else False
         if self.compressor is None:
             average, residual = self._average(self.vector, ex.codec, split=not self.owned, out=self.out)
             return self._result(self._into_out(average), residual, clipped)
         choice = self._decide() if ex.policy is not None else None
         codec = ex.codec_named(choice["compression"]) if choice else ex.codec
+        rank = choice["rank"] if choice else None
+        if self.owned:
+            average_of_all, residual = self._low_rank_by_owners(codec, rank)
+        else:
+            average_of_all, residual = self._low_rank_whole(codec, rank)
+        self.compressor.compression = codec.name
+        result = self._result(self._into_out(average_of_all), residual, clipped, choice)
+        return dataclasses.replace(result, **_measured(self, codec.name if ex.entropy_coding else None))
+
+    def _low_rank_whole(self, codec: Codec, rank: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Low rank of a vector every data-parallel rank holds whole: each averages 1/D of P and Q."""
+        assert self.compressor is not None
         # With data-parallel ranks inside a worker, each rank only knows the quantization residual of its own shard;
         # dropping it keeps every rank's low-rank error feedback identical (the rank-r truncation is still kept).
-        keep_dropped = ex.topology.data_parallel_size == 1
+        keep_dropped = self.exchange.topology.data_parallel_size == 1
 
         def average(vector: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             averaged, dropped = self._average(vector, codec, split=True)
             return averaged, dropped if keep_dropped else None
 
-        result = self.compressor.run(self.vector, average, rank=choice["rank"] if choice else None)
-        self.compressor.compression = codec.name
-        average_of_all, residual = result.average, result.residual
-        if self.layout is not None and ex.topology.data_parallel_size > 1:
-            average_of_all = self.layout.take(average_of_all, ex.topology.dp_index)
-            residual = None if residual is None else self.layout.take(residual, ex.topology.dp_index)
-        result = self._result(self._into_out(average_of_all), residual, clipped, choice)
-        return dataclasses.replace(result, **_measured(self, codec.name if ex.entropy_coding else None))
+        result = self.compressor.run(self.vector, average, rank=rank)
+        return result.average, result.residual
+
+    def _low_rank_by_owners(self, codec: Codec, rank: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Low rank of this rank's share of a fragment split between the worker's ranks: each matrix is factored by
+        the rank that owns it and every averaged vector is this rank's own (`lowrank_split.py`)."""
+        assert self.compressor is not None and self.layout is not None
+        topo = self.exchange.topology
+        split = SplitLowRank(self.compressor, self.layout, topo.dp_index, topo.data_parallel_sync_group)
+        try:
+            result = split.run(self.vector, lambda vector: self._average(vector, codec, split=False), rank)
+        finally:
+            self.intra += split.intra
+        return result.average, result.residual
 
     def _result(
         self, average: torch.Tensor, residual: torch.Tensor | None, clipped: bool, choice: dict | None = None
@@ -509,17 +527,6 @@ class _ExchangeJob:
             self.scale = self.contributors * weight / total
             if self.scale != 1.0:
                 self.vector = self.vector * self.scale
-
-    def _gather_shares(self, share: torch.Tensor) -> torch.Tensor:
-        """The fragment's whole vector from every data-parallel rank's share (over the worker's fast link)."""
-        topo, layout = self.exchange.topology, self.layout
-        lengths = [layout.length(rank) for rank in range(topo.data_parallel_size)]
-        padded = torch.zeros(max(lengths), dtype=share.dtype)
-        padded[: share.numel()] = share
-        parts = [torch.empty_like(padded) for _ in lengths]
-        dist.all_gather(parts, padded, group=topo.data_parallel_sync_group)
-        self.intra += (len(lengths) - 1) * padded.nbytes
-        return layout.assemble(parts)
 
     def _clip_outlier(self) -> bool:
         """Robust aggregation: scale this contribution down to clip_factor x the lower median of the contributors'

@@ -206,7 +206,7 @@ class Fragment:
         if self.trajectory is not None:
             held += [self.trajectory.values, *_state_tensors(self.trajectory.optimizer)]
         if self.compressor is not None:
-            held += self.compressor.q
+            held += [q for q in self.compressor.q if q is not None]  # the warm starts of the matrices it owns
         if self.flight is not None and self.flight.sent is not None:
             held.append(self.flight.sent)
         return held

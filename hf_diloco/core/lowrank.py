@@ -32,6 +32,9 @@ picks it when the whole vector fits the window (`adaptive_dense`).
 
 Changing the rank between rounds keeps the best subspace: shrinking to k keeps the top-k left singular directions of
 Q (scaled by their singular values), growing appends freshly drawn columns.
+
+With a fragment split between the D data-parallel ranks of a worker, each matrix is factored by one rank, its owner
+(`lowrank_split.py`): `assign_owners` keeps the warm start of this rank's matrices only (None for the others').
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ _DEPENDENT_COLUMN = 1e-5  # a column whose norm fell below this fraction by proj
 
 
 @dataclass(frozen=True)
-class _Matrix:
+class Matrix:
     offset: int
     rows: int
     cols: int
@@ -121,20 +124,22 @@ class LowRankCompressor:
         self.compression = compression
         self.rounds = 0
         self.numel = 0
-        self.matrices: list[_Matrix] = []
+        self.matrices: list[Matrix] = []
         self._rest_mask_parts: list[tuple[int, int]] = []
         for shape in shapes:
             numel = int(torch.Size(shape).numel())
             rows = int(shape[0]) if len(shape) >= 2 else 0
             cols = numel // rows if rows else 0
             if rows and (rows + cols) * self.max_rank < numel:
-                self.matrices.append(_Matrix(self.numel, rows, cols))
+                self.matrices.append(Matrix(self.numel, rows, cols))
             else:
                 self._rest_mask_parts.append((self.numel, numel))
             self.numel += numel
         self.rest_numel = sum(n for _, n in self._rest_mask_parts)
         self._rest_index = self._build_rest_index()
-        self.q = self._initial_q()
+        self.q: list[torch.Tensor | None] = self._initial_q()  # None: a matrix another rank owns
+        self.owners: tuple[int, ...] | None = None  # per matrix, the data-parallel rank that factors it (split)
+        self.owner_index = 0  # with `owners`: this rank's index among the worker's data-parallel ranks
         self.captured_energy: list[float] | None = None  # entry k-1: share of ||M||^2 captured by the top k ranks
 
     # ------------------------------------------------------------------------------------------------ sizes
@@ -157,6 +162,8 @@ class LowRankCompressor:
         """Average `flat` (this worker's pseudo-gradient, fp32, length `numel`) across workers at `rank`."""
         if flat.numel() != self.numel:
             raise ValueError(f"expected a flat pseudo-gradient of {self.numel} values, got {flat.numel()}.")
+        if self.owners is not None:
+            raise ValueError("This compressor's matrices are split between data-parallel ranks: use lowrank_split.")
         if rank is not None and rank != self.rank:
             self.set_rank(rank)
         flat = flat.detach().to(torch.float32)
@@ -169,7 +176,7 @@ class LowRankCompressor:
         if not self.matrices:
             rest_avg, rest_dropped = average(rest)
             return self._finish(flat, [], [], [], rest_avg, rest_dropped)
-        self._redraw_dead_columns()
+        self.redraw_dead_columns()
         matrices = self._matrix_views(flat)
         p_parts = [matrix @ q for matrix, q in zip(matrices, self.q)]
         p_avg, rest_dropped = average(torch.cat([p.reshape(-1) for p in p_parts] + [rest]))
@@ -218,8 +225,11 @@ class LowRankCompressor:
         self.rank = rank
         if rank == 0:
             return
-        resized = []
+        resized: list[torch.Tensor | None] = []
         for index, q in enumerate(self.q):
+            if q is None:
+                resized.append(None)
+                continue
             if rank < q.shape[1]:
                 u, s, _ = torch.linalg.svd(q, full_matrices=False)
                 q = u[:, :rank] * s[:rank]
@@ -233,8 +243,26 @@ class LowRankCompressor:
         generator = torch.Generator().manual_seed(self.seed)
         return [torch.randn(m.cols, self.max_rank, generator=generator)[:, : self.rank].clone() for m in self.matrices]
 
-    def _redraw_dead_columns(self) -> None:
+    def assign_owners(self, owners: Sequence[int], me: int) -> None:
+        """Matrix j is factored by data-parallel rank `owners[j]`; this rank (`me`) keeps only its own matrices' warm
+        starts. The same owners again change nothing."""
+        owners = tuple(owners)
+        if len(owners) != len(self.matrices):
+            raise ValueError(f"expected an owner for each of the {len(self.matrices)} matrices, got {len(owners)}.")
+        missing = [j for j, (q, owner) in enumerate(zip(self.q, owners)) if owner == me and q is None]
+        if missing:
+            raise ValueError(
+                f"This low-rank state lacks the warm start of matrices {missing[:3]}, which data-parallel rank {me} "
+                "factors: load each rank's own state file, with the same data_parallel_per_worker."
+            )
+        self.owners, self.owner_index = owners, me
+        self.q = [q if owner == me else None for q, owner in zip(self.q, owners)]
+
+    def redraw_dead_columns(self) -> None:
+        """Redraw every zero or non-finite column of the warm starts this rank keeps (see the module docstring)."""
         for index, q in enumerate(self.q):
+            if q is None:
+                continue
             norms = q.norm(dim=0)
             dead = ~torch.isfinite(norms) | (norms == 0)
             if bool(dead.any()):
@@ -258,16 +286,7 @@ class LowRankCompressor:
 
     def _record_energy(self, matrices: list[torch.Tensor], q_parts: list[torch.Tensor]) -> None:
         """Share of this worker's ||M||^2 captured by the best rank-k part of its approximation, k = 1..rank."""
-        total = sum(float(m.pow(2).sum()) for m in matrices) + 0.0
-        if not total > 0 or not torch.isfinite(torch.tensor(total)):
-            self.captured_energy = None
-            return
-        # P^ has orthonormal columns, so the singular values of P^ Q_i^T are those of Q_i.
-        per_rank = torch.zeros(max(q.shape[1] for q in q_parts), dtype=torch.float64)
-        for q in q_parts:
-            values = torch.linalg.svdvals(q).to(torch.float64).pow(2)
-            per_rank[: values.numel()] += values
-        self.captured_energy = (per_rank.cumsum(0) / total).clamp(max=1.0).tolist()
+        self.captured_energy = captured_share(energy_terms(matrices, q_parts, self.max_rank))
 
     def _build_rest_index(self) -> torch.Tensor:
         if not self._rest_mask_parts:
@@ -284,11 +303,12 @@ class LowRankCompressor:
     # ------------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
+        """The warm start of the matrices this rank keeps (None for another rank's), the rank and the round count."""
         return {
             "rank": self.rank,
             "compression": self.compression,
             "rounds": self.rounds,
-            "q": [q.clone() for q in self.q],
+            "q": [None if q is None else q.clone() for q in self.q],
             "captured_energy": self.captured_energy,
         }
 
@@ -298,5 +318,30 @@ class LowRankCompressor:
         self.rank = int(state["rank"])
         self.compression = state["compression"]
         self.rounds = int(state["rounds"])
-        self.q = [q.clone() for q in state["q"]]
+        self.q = [None if q is None else q.clone() for q in state["q"]]
+        if self.owners is not None:
+            self.assign_owners(self.owners, self.owner_index)
         self.captured_energy = state["captured_energy"]
+
+
+def energy_terms(matrices: Sequence[torch.Tensor], q_parts: Sequence[torch.Tensor], max_rank: int) -> torch.Tensor:
+    """What `captured_share` needs of some matrices, in float64: `[sum ||M||^2, k, e_1 .. e_max_rank]`, with e_i the
+    squared i-th singular values of the approximations summed over the matrices and k the rank they were made at.
+    Terms of disjoint sets of matrices add up (`max` for k: the data-parallel ranks of a worker sum theirs)."""
+    terms = torch.zeros(2 + max_rank, dtype=torch.float64)
+    terms[0] = sum(float(m.pow(2).sum()) for m in matrices) + 0.0
+    # P^ has orthonormal columns, so the singular values of P^ Q_i^T are those of Q_i.
+    for q in q_parts:
+        values = torch.linalg.svdvals(q).to(torch.float64).pow(2)
+        terms[1] = max(float(terms[1]), q.shape[1])
+        terms[2 : 2 + values.numel()] += values
+    return terms
+
+
+def captured_share(terms: torch.Tensor) -> list[float] | None:
+    """Entry k-1: the share of ||M||^2 the best rank-k part captured, k = 1..rank (None: no energy, or not finite)."""
+    total = float(terms[0])
+    if not total > 0 or not torch.isfinite(torch.tensor(total)):
+        return None
+    per_rank = terms[2 : 2 + int(terms[1])]
+    return (per_rank.cumsum(0) / total).clamp(max=1.0).tolist()
