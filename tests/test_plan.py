@@ -192,3 +192,12 @@ def test_the_plan_starts_hf_diloco_pretrain_on_a_tiny_model(tmp_path, capsys):
     steps, h = config["training"]["max_steps"], config["diloco"]["inner_steps"]
     assert f"H={h}, P=1" in result.stderr and f"{steps // h} outer round(s) in {steps} steps" in result.stderr
     assert (out / "config.json").is_file()
+
+
+def test_the_slowest_link_and_the_largest_latency_decide_the_sync(tmp_path, capsys):
+    flags = ["--params", "3e8", "--workers", "2", "--link", "1gbit", "100mbit", "--latency_ms", "10", "50"]
+    config, planned, _ = _plan(tmp_path, capsys, *flags, "--compression", "fp4")
+    sync = planned["sync"]
+    assert planned["link_gbit"] == pytest.approx(0.1) and config["diloco"]["compression"] == "fp4"
+    latency = 2 * (2 - 1) * 0.05  # the reduce-scatter's two messages in sequence
+    assert sync["transfer"] == pytest.approx(sync["bytes_per_sync"] * 8 / (0.1e9 * 0.5) + latency)

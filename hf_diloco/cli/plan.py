@@ -51,7 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     sites.add_argument("--gpus_per_site", type=int, default=1, help="D: GPUs per site (default 1)")
     sites.add_argument("--link", nargs="+", required=True, help="each site's link (or one for all): 1gbit, 100mbit")
     sites.add_argument("--latency_ms", type=float, nargs="+", default=[0.0], help="each site's latency (or one)")
-    sites.add_argument("--site_speeds", type=float, nargs="+", help="relative speed of each site, e.g. 1 1 0.5")
+    sites.add_argument(
+        "--site_speeds",
+        type=float,
+        nargs="+",
+        help="relative speed of each site, e.g. 1 1 0.5 (the step time is the fastest's)",
+    )
     speed = parser.add_argument_group("the step time (one of; default: --gpu h100)")
     speed.add_argument("--gpu", default="h100", help=f"GPU type: {', '.join(GPU_PEAK_FLOPS)}")
     speed.add_argument(
