@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hf_diloco.core.exchange import ScheduleTag
+from hf_diloco.core.projection import pattern_bytes
 
 RESULTS_DIR = "benchmarks/results"  # where stored results go, relative to the repository root (commands run there)
 
@@ -222,9 +223,7 @@ def exchange_bytes(pattern: str, workers: int, payload_bytes: float, schedule_ta
     others (2 (M - 1) / M x payload); `all_gather` sends the whole payload to the M - 1 others ((M - 1) x payload).
     `schedule_tag`: plus the tag an engine's exchange sends each peer first (lock-step check, 24 bytes)."""
     tag = (workers - 1) * ScheduleTag.NBYTES if schedule_tag else 0
-    if pattern == "all_gather":
-        return (workers - 1) * payload_bytes + tag
-    return 2 * (workers - 1) / workers * payload_bytes + tag
+    return pattern_bytes(pattern, workers, payload_bytes) + tag
 
 
 def _ring_all_reduce_bytes(tensor: torch.Tensor, world: int) -> int:

@@ -3,24 +3,10 @@
     python -m benchmarks.projection                                         # 1B / 7B / 70B, 1 and 10 Gbit/s
     python -m benchmarks.projection --validate benchmarks/results/wan_results.json
 
-Per sync of one fragment (1/P of the model) on a worker, the model is:
-
-- bytes = what the exchange sends per rank for the fragment's encoded payload: 2 (M - 1) / M of it with
-  `reduce_scatter`, (M - 1) x with `all_gather` (the formulas `benchmarks.scaling` checks against the package);
-- transfer = bytes x 8 / (link bandwidth x `--link_efficiency`, the share of the nominal rate an exchange gets;
-  the tbf link of `benchmarks.wan` gave blocking exchanges about half of it);
-- host CPU = the GB of fp32 one rank handles x the CPU seconds per GB that `benchmarks.sync_cost` measured for each
-  stage on this machine (`--costs`, at its largest model and `--threads`, default one thread: one core per rank);
-  a rank handles 1/D of the fragment, D the worker's GPUs (`data_parallel_per_worker`: each rank averages and steps
-  its own share); the stages `engine.step()` runs on the training thread (pseudo-gradient, outer step, unflatten:
-  `main`) and those the background exchange runs (encode, decode, sum, and deflate/inflate with `--entropy_coding`:
-  `exchange`);
-- inside the worker, on the training thread: the D ranks all-gather the updated fragment in the parameters' dtype
-  (`--parameter_bytes`), (D - 1) / D of it per rank, at `--intra_node_gbytes` (NVLink); each rank copies its 1/D
-  share to the host at the launch and back at the apply, 2 / D of the fragment, at `--host_copy_gbytes` (PCIe);
-- period = the compute between two fragment launches, H / P steps x the step time; window = the compute an
-  exchange can hide behind, τ steps (0: blocking; `--sync_delay`);
-- utilization = period / (period + main + intra + copies + max(0, exchange + transfer - window)).
+The model of one fragment's sync (bytes, transfer at the link's efficiency, host CPU from the measured CPU seconds
+per GB of each stage, the gather and copies inside a worker, period, window, utilization) is
+`hf_diloco.core.projection`'s, which `hf-diloco plan` uses too; its docstring gives it term by term. This command
+feeds it `--costs` (a `benchmarks.sync_cost` result, at `--threads`) and the flags below.
 
 Step times are published measurements of 8 (64 for 70B) H100 80GB GPUs in bf16, cited in `STEP_TIMES`; a worker is
 that many GPUs, its step that row's batch. The host costs are this machine's (2 shared AMD EPYC cores, no GPU): the
@@ -38,26 +24,18 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, exchange_bytes
-from hf_diloco.core.codecs import make_codec
+from benchmarks.common import RESULTS_DIR
+from hf_diloco.core.projection import (
+    EXCHANGE_STAGES,
+    STEP_SOURCE,
+    STEP_TIMES,
+    host_seconds,
+    stage_rates,
+    sync_bytes,
+    utilization,
+)
+from hf_diloco.core.projection import inside_worker as _inside_worker
 
-# Published training throughput (H100 80GB, bf16, sequence length 2048) from mosaicml/llm-foundry,
-# scripts/train/benchmarking/README.md, table "H100 80GB BF16": (parameters, GPUs, global batch in tokens,
-# tokens per second of all GPUs). A step is one global batch: batch / throughput seconds.
-STEP_TIMES = {
-    "1B": (1_315_950_592, 8, 229_376, 363_645),
-    "7B": (6_658_859_008, 8, 98_304, 85_144),
-    "70B": (64_862_437_376, 64, 4_194_304, 66_523),
-}
-STEP_SOURCE = "mosaicml/llm-foundry scripts/train/benchmarking/README.md, H100 80GB BF16, sequence length 2048"
-MAIN_STAGES = ("pseudo-gradient", "outer step", "unflatten")
-# The exchange's stages and how much of the model each processes per sync, by pattern (M workers): reduce_scatter
-# encodes the M chunks, sums the M decoded chunks it owns, encodes the averaged chunk and decodes all M averages;
-# all_gather encodes once and sums M decoded vectors.
-EXCHANGE_STAGES = {
-    "reduce_scatter": lambda m: {"encode": 1 + 1 / m, "sum": 1.0, "decode": 1.0},
-    "all_gather": lambda m: {"encode": 1.0, "sum": float(m)},
-}
 # benchmarks.wan's methods and the settings of their DiLoCoConfig (wan.diloco_config) that the model needs.
 WAN_METHODS = {
     "diloco": {"compression": "none", "sync_delay": 0},
@@ -111,47 +89,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 # ----------------------------------------------------------------------------------------------- the model
 
 
-def stage_rates(costs: dict, threads: int) -> dict[str, float]:
-    """GB of fp32 model per CPU second of every stage, at the largest model measured with `threads` threads."""
-    largest = max(row["parameters"] for row in costs["rows"] if row["threads"] == threads)
-    return {
-        row["stage"]: row["gb_per_cpu_second"]
-        for row in costs["rows"]
-        if row["threads"] == threads and row["parameters"] == largest and row["version"] == "package"
-    }
-
-
-def host_seconds(
-    rates: dict[str, float], gigabytes: float, compression: str, pattern: str, workers: int, entropy: bool = False
-) -> tuple[float, float]:
-    """(training-thread seconds, background-exchange seconds) of one sync of `gigabytes` of fp32."""
-    main = sum(gigabytes / rates[stage] for stage in MAIN_STAGES)
-    shares = EXCHANGE_STAGES[pattern](workers)
-    exchange = sum(share * gigabytes / rates[f"{compression} {stage}"] for stage, share in shares.items())
-    if entropy:
-        exchange += sum(gigabytes / rates[f"{compression} {stage}"] for stage in ("deflate", "inflate"))
-    return main, exchange
-
-
-def sync_bytes(parameters: float, compression: str, pattern: str, workers: int) -> float:
-    """Bytes one rank sends per sync of `parameters` values (block padding neglected)."""
-    codec = make_codec(compression)
-    payload = parameters * codec.bits / 8 + parameters / codec.align * getattr(codec, "scale_nbytes", 0)
-    return exchange_bytes(pattern, workers, payload)
-
-
 def inside_worker(parameters: float, gpus: int, args: argparse.Namespace) -> tuple[float, float, float]:
-    """(bytes each rank sends inside the worker, their seconds, device-host copy seconds) of one sync of `parameters`
-    values: the all-gather of the update in the parameters' dtype, and each rank's share copied out and back."""
-    intra = (gpus - 1) / gpus * parameters * args.parameter_bytes
-    copied = 2 * parameters / gpus * args.parameter_bytes
-    return intra, intra / (args.intra_node_gbytes * 1e9), copied / (args.host_copy_gbytes * 1e9)
-
-
-def utilization(period: float, main: float, exchange: float, transfer: float, window: float) -> float:
-    """Compute / wall time of one fragment period: the exchange's excess over its window stalls the training
-    (`main`: every second of the training thread, the copies and the gather inside the worker included)."""
-    return period / (period + main + max(0.0, exchange + transfer - window))
+    """`hf_diloco.core.projection.inside_worker` at the command's flags."""
+    return _inside_worker(parameters, gpus, args.parameter_bytes, args.intra_node_gbytes, args.host_copy_gbytes)
 
 
 def project(args: argparse.Namespace, rates: dict[str, float]) -> list[dict]:

@@ -68,6 +68,8 @@ SLOW_TESTS = {
     "test_pipeline_composes_with_data_parallel",
     # The GPU check script's CPU dry run: a subprocess launch of the whole script.
     "test_cpu_dry_run_of_two_workers_writes_passing_json",
+    # `hf-diloco pretrain` from a planned YAML (a subprocess run of the main job).
+    "test_the_plan_starts_hf_diloco_pretrain_on_a_tiny_model",
 }
 ELASTIC_MODULES = {
     "test_elastic",

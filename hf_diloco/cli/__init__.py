@@ -14,6 +14,7 @@ COMMANDS = {
     "push": "Upload a saved model folder to the Hugging Face Hub (weights, tokenizer, card; no checkpoints).",
     "plot": "Plot the loss, bytes sent and sync wait of one or more runs as PNG files.",
     "configs": "List the configs shipped with the package, or print one to start your own from.",
+    "plan": "Plan a run from the model, the sites and their link: a ready YAML and a table of what to expect.",
 }
 
 
