@@ -196,16 +196,7 @@ def _build_data_parallel(setup: Setup, config: DiLoCoConfig, model: nn.Module, p
 def _build_pipeline_stage(setup: Setup, config: DiLoCoConfig, model: nn.Module, peaks: dict) -> Trained:
     """This rank's stage, as `PipelineTrainerMixin` builds it: plan and check on the whole model, keep the stage."""
     topology = Topology.from_default_group(setup.stages, setup.ranks, config.sync_timeout_seconds)
-    runner = PipelineRunner(
-        model,
-        stage_index=topology.stage_index,
-        num_stages=setup.stages,
-        group=topology.pipeline_group,
-        schedule=config.pipeline_schedule,
-        n_microbatches=config.pipeline_microbatches,
-        data_parallel_group=topology.data_parallel_group,
-        device="cpu",
-    )
+    runner = PipelineRunner.for_worker(model, topology, config, "cpu")
     peaks["stages planned and checked"] = _rss_bytes()
     runner.place_own_stage()
     if runner.tied_parameters():

@@ -192,10 +192,15 @@ def test_configs_command_lists_and_prints(capsys):
 
 
 def test_every_config_field_has_one_definition():
-    """The DiLoCo flags come from DiLoCoConfig's fields, the training flags from TrainingArguments'."""
+    """The DiLoCo flags come from DiLoCoConfig's fields, the training flags from TrainingArguments' and the front-ends'
+    choice of inner optimizer."""
+    from hf_diloco.integrations.inner_optimizer import InnerOptimizerSettings
+
     keys = config_file.section_keys()
     assert keys["diloco"] == set(diloco_field_names())
-    assert keys["training"] == {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    training = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    assert keys["training"] == training | {"inner_optimizer"}
+    assert {f.name for f in dataclasses.fields(InnerOptimizerSettings)} == {"inner_optimizer"}
 
 
 # ------------------------------------------------------------------------------------------------ DiLoCo values

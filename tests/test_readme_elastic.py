@@ -46,15 +46,22 @@ def run_sites(folder: Path, die_at: int | None = None) -> tuple[list[int], dict[
     return codes, {site: (folder / f"{site}.log").read_text() for site in SITES}
 
 
-def test_the_readme_elastic_snippet_trains_two_sites(tmp_path):
+def both_sites_end_alike(tmp_path, exchanges: int) -> dict:
+    """Both sites exit 0 with the same θg after `exchanges` exchanges of both sites; returns site a's result."""
     codes, logs = run_sites(tmp_path)
     assert codes == [0, 0], logs
     a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
     for name, value in a["global"].items():
         assert torch.equal(value, b["global"][name]), name
-    # Both ran every one of the 3 rounds of 100 steps with both sites, from one start (min_workers=2).
     for result in (a, b):
-        assert result["summary"]["exchanges"] == 3 and result["summary"]["fewest_workers"] == 2
+        summary = result["summary"]
+        assert summary["exchanges"] == exchanges and summary["fewest_workers"] == 2, summary
+    return a
+
+
+def test_the_readme_elastic_snippet_trains_two_sites(tmp_path):
+    # Both run every one of the 3 rounds of 100 steps with both sites, from one start (min_workers=2).
+    a = both_sites_end_alike(tmp_path, exchanges=3)
     card = (tmp_path / "out-site-a" / "README.md").read_text()
     assert "| Worker membership | elastic: 3 exchanges among 2 workers; 0 drop(s), 0 join(s)" in card
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out-site-a")
@@ -80,10 +87,4 @@ def test_the_readme_elastic_snippet_resumes_a_job_lost_with_its_lighthouse(tmp_p
     assert codes == [9, 9], logs
     saved = torch.load(tmp_path / "checkpoint-site-a.pt", weights_only=True)
     assert saved["inner_step"] == 100
-    codes, logs = run_sites(tmp_path)
-    assert codes == [0, 0], logs
-    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
-    for name, value in a["global"].items():
-        assert torch.equal(value, b["global"][name]), name
-    for result in (a, b):
-        assert result["summary"]["exchanges"] == 2 and result["summary"]["fewest_workers"] == 2, result["summary"]
+    both_sites_end_alike(tmp_path, exchanges=2)

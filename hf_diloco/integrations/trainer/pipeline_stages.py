@@ -86,16 +86,7 @@ class PipelineTrainerMixin:
                 "Evaluation reports the loss (eval_loss)."
             )
         topology = self._get_topology()
-        runner = self.diloco_run.pipeline_runner = PipelineRunner(
-            self.model,
-            stage_index=topology.stage_index,
-            num_stages=args.pipeline_stages,
-            group=topology.pipeline_group,
-            schedule=args.pipeline_schedule,
-            n_microbatches=args.pipeline_microbatches,
-            data_parallel_group=topology.data_parallel_group,
-            device=args.device,
-        )
+        runner = self.diloco_run.pipeline_runner = PipelineRunner.for_worker(self.model, topology, args, args.device)
         # The plan and the start-up check ran where the model was built (the Trainer left it there, see
         # `_move_model_to_device`); only this rank's stage reaches the training device.
         runner.place_own_stage()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,10 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from .loss import _clip_grad_norm, _flat_all_reduce, _group_size, causal_lm_loss, count_loss_tokens
 from .plan import SCHEDULES
 from .stages import build_stages, free_other_stages
+
+if TYPE_CHECKING:
+    from ...core.config import DiLoCoConfig
+    from ...core.topology import Topology
 
 
 class PipelineRunner:
@@ -78,6 +83,22 @@ class PipelineRunner:
             device = next(self.stage_module.parameters()).device
         self.device = torch.device(device)
         self._schedules: dict[tuple, object] = {}
+
+    @classmethod
+    def for_worker(
+        cls, model: nn.Module, topology: Topology, config: DiLoCoConfig, device: torch.device | str | None
+    ) -> PipelineRunner:
+        """This rank's stage of a DiLoCo worker: its stage and groups from `topology`, the schedule from `config`."""
+        return cls(
+            model,
+            stage_index=topology.stage_index,
+            num_stages=config.pipeline_stages,
+            group=topology.pipeline_group,
+            schedule=config.pipeline_schedule,
+            n_microbatches=config.pipeline_microbatches,
+            data_parallel_group=topology.data_parallel_group,
+            device=device,
+        )
 
     def place_own_stage(self) -> None:
         """Free every parameter of the full model that this stage does not hold, then move what is left to `device`:
