@@ -66,6 +66,12 @@ SLOW_TESTS = {
     "test_close_keeps_every_error_feedback_residual",
     "test_engine_lowrank_and_adaptive_on_two_workers",
     "test_pipeline_composes_with_data_parallel",
+    # Whole runs beside a unit test of the same piece in the fast tier: the engine with split low rank (the split
+    # itself is checked against the reference there), a DiLoCoTrainer with Muon (its steps are checked against
+    # torch's optimizers), two workers under an outer schedule (its factors against the formula).
+    "test_engine_split_low_rank_keeps_replicas_and_workers_identical_and_resumes_bitwise",
+    "test_a_diloco_trainer_trains_with_muon_and_resumes_bitwise",
+    "test_two_workers_step_each_fragment_at_the_scheduled_rates_like_the_reference",
     # The GPU check script's CPU dry run: a subprocess launch of the whole script.
     "test_cpu_dry_run_of_two_workers_writes_passing_json",
     # `hf-diloco pretrain` from a planned YAML (a subprocess run of the main job).
