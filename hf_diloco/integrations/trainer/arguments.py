@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+import torch
 from transformers import TrainingArguments
 
 from ..inner_optimizer import InnerOptimizerSettings
@@ -38,9 +40,16 @@ class DiLoCoTrainingArguments(TrainingArguments, DiLoCoSettings, InnerOptimizerS
     def __post_init__(self) -> None:
         DiLoCoSettings.validate_diloco(self)
         self.check_inner_optimizer()
-        init_process_group_for_restart(self.use_cpu, self.ddp_timeout or 1800)
         super().__post_init__()
         self._check_accelerator_config()
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        # `TrainingArguments` joins the default process group here (its `device`, first read by its own
+        # `__post_init__`). On a torchrun restart that group must start on a store prefixed by the attempt, so the
+        # restarted ranks do not meet the keys the failed attempt left; anywhere else this adds nothing.
+        init_process_group_for_restart(self.use_cpu, self.ddp_timeout or 1800)
+        return TrainingArguments._setup_devices.func(self)
 
     def _check_accelerator_config(self) -> None:
         config = self.accelerator_config
