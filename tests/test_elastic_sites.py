@@ -5,9 +5,11 @@ every exchange ran with both, the start-up line says the run is elastic and the 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,73 @@ def test_trainer_sites_lost_with_their_lighthouse_resume_from_their_checkpoints(
         assert torch.equal(value, b["global"][name]), name
     for result in (a, b):
         assert result["summary"]["exchanges"] == 1 and result["summary"]["fewest_workers"] == 2, result["summary"]
+
+
+HEAL_SITE = REPO / "tests" / "scripts" / "elastic_trainer_heal.py"
+
+
+def _start_heal_site(port: int, site: str, slot: int, mode: str, tmp_path: Path, env: dict) -> subprocess.Popen:
+    argv = [sys.executable, str(HEAL_SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path), mode]
+    log = (tmp_path / f"{site}-{mode}.log").open("a")
+    return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _heartbeating(port: int, site: str) -> set[str]:
+    """The torchft replica ids (`site:uuid`, one per start of a site) on the Lighthouse's status page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as response:
+        return set(re.findall(rf"{site}:[0-9a-f-]+", response.read().decode(errors="replace")))
+
+
+@pytest.mark.slow
+def test_a_lost_trainer_site_restarted_fresh_heals_and_its_trainer_jumps_to_the_jobs_step(tmp_path):
+    """site-b dies at step 3 and is started again from nothing while site-a trains on (site-a waits at step 6 until
+    the new site-b heartbeats to the Lighthouse). The new site-b heals as it joins, at site-a's next exchange: its
+    Trainer starts at the job's step, reads the batches an uninterrupted run reads at those steps, ends at max_steps
+    with site-a, on the same learning rate, and with the same θg."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    command = [str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "60000", "--bind", f"127.0.0.1:{port}"]
+    lighthouse = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    processes = []
+    try:
+        time.sleep(1.0)
+        processes.append(_start_heal_site(port, "site-a", 0, "wait", tmp_path, env))
+        processes.append(_start_heal_site(port, "site-b", 1, "die", tmp_path, env))
+        assert processes[1].wait(timeout=240) == 3
+        before = _heartbeating(port, "site-b")
+        processes.append(_start_heal_site(port, "site-b", 1, "rejoin", tmp_path, env))
+        deadline = time.monotonic() + 120
+        while not _heartbeating(port, "site-b") - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (tmp_path / "rejoined").touch()  # site-a goes on: the Lighthouse now waits for the new site-b too
+        codes = [processes[0].wait(timeout=240), processes[2].wait(timeout=240)]
+    finally:
+        for process in [*processes, lighthouse]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
+    assert codes == [0, 0], logs
+    a = torch.load(tmp_path / "site-a-wait.pt", weights_only=False)
+    b = torch.load(tmp_path / "site-b-rejoin.pt", weights_only=False)
+    for name, value in a["global"].items():
+        assert torch.equal(value, b["global"][name]), name
+    assert b["summary"]["heals"] == 1 and a["global_step"] == b["global_step"] == 12, (a["summary"], b["summary"])
+    # The new site-b trained steps 1-2 on its own, healed at the exchange after step 2, and went on from the job's
+    # step there: the steps between were never trained, and each step read the batch of its place in the epoch.
+    steps = sorted(b["seen"])
+    healed_at = steps[0] - 1
+    assert steps == list(range(healed_at + 1, 13)) and healed_at >= 6, steps
+    for step in steps:
+        assert b["seen"][step] == b["order"][step - 1], (step, b["seen"], b["order"])
+    assert f"continues at the job's step {healed_at}" in logs["site-b-rejoin.log"], logs["site-b-rejoin.log"]
+    # The learning-rate schedule and the log follow the job's step: the same last rate as site-a; no log between.
+    rates = [
+        [entry["learning_rate"] for entry in run["log"] if entry.get("step") == 12 and "learning_rate" in entry]
+        for run in (a, b)
+    ]
+    assert rates[0] and rates[0] == rates[1], rates
+    logged = [entry["step"] for entry in b["log"] if "loss" in entry]
+    assert logged == steps, logged

@@ -21,8 +21,8 @@ class EngineLifecycle:
 
     Writes `diloco_run.topology`, `session`, `model_is_global` and empties `final_metrics` (`run_state.py`). Calls
     `_settings_fingerprint`, `_naming_disagreements` and `_make_global_point_group` (`RankAgreement`),
-    `_load_diloco_state` (`Checkpoints`), `_logged_at` and, from its step callback, `_follow_the_round`
-    (`RoundSchedule`).
+    `_load_diloco_state` (`Checkpoints`), `_start_at_the_jobs_step`, `_logged_at` and, from its step callback,
+    `_follow_the_round` (`RoundSchedule`).
 
     Attributes:
         diloco_topology (`Topology`): this rank's worker, data-parallel index and process groups.
@@ -96,6 +96,7 @@ class EngineLifecycle:
         run.final_metrics = {}
         if resume_from_checkpoint is not None:
             self._load_diloco_state(resume_from_checkpoint)
+        self._start_at_the_jobs_step()
         self._logged_at()
         return model, train_dataloader
 

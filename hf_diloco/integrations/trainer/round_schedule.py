@@ -12,14 +12,25 @@ rounds). Logging is this worker's own and may fall at any step; its loss is aver
 
 Resuming: the checkpoint names every worker's own inner steps (`diloco_worker_steps.json`), and each worker skips the
 batches it trained, not the global step's.
+
+Under elastic membership (`round_policy: steps`) a worker that heals from a live peer takes the job's step with θg
+(`core/elastic.py`): the Trainer follows it the same way. `global_step` and the LR scheduler jump to the job's step,
+the steps this worker missed count neither in its logged loss nor as trained, and it skips as many batches of its own
+data, so it reads at step t the batches it would have read at step t had it never left: what it missed is skipped,
+as in the raw loop, not trained late. `max_steps`, `save_steps` and `eval_steps` count the job's steps: a healed
+worker ends, saves and evaluates with the others, and skips what fell while it was away.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Iterator
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 WORKER_STEPS_NAME = "diloco_worker_steps.json"
 
@@ -48,14 +59,15 @@ def check_balanced_schedule(args, max_steps: int) -> None:
 
 class RoundSchedule:
     """
-    Mixin of [`DiLoCoTrainer`]: the Trainer's global step and LR schedule under `round_policy: balanced` (see the
-    module docstring). Under `steps` it changes nothing.
+    Mixin of [`DiLoCoTrainer`]: the Trainer's global step, LR schedule and data position under `round_policy:
+    balanced` and after an elastic heal (see the module docstring). Otherwise it changes nothing.
 
-    Calls `_get_topology` (`EngineLifecycle`); `EngineLifecycle` calls its `_logged_at` and `_follow_the_round`,
-    `WorkerCollectives` its `_logged_at` and `_steps_since_last_log`.
+    Calls `_get_topology` (`EngineLifecycle`); `EngineLifecycle` calls its `_start_at_the_jobs_step`, `_logged_at`
+    and `_follow_the_round`, `WorkerCollectives` its `_logged_at` and `_steps_since_last_log`.
     """
 
     _inner_step_at_last_log: int | None = None
+    _batches_to_skip: int = 0  # a healed worker's batches of the steps it missed, skipped at its next batch
 
     def _init_training_state(
         self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
@@ -73,17 +85,50 @@ class RoundSchedule:
 
     def _follow_the_round(self, state) -> None:
         """After this worker's inner step (the Trainer adds 1 to `global_step` and steps the scheduler once next):
-        move both on to the engine's global step."""
+        move both on to the engine's global step (under `balanced`, or after a heal under elastic membership)."""
         engine = self.diloco
-        if engine is None or not engine.round_policy.balanced:
-            return
-        extra = engine.global_step - state.global_step - 1
+        if engine is not None and (engine.round_policy.balanced or engine.elastic is not None):
+            self._move_on(state, engine.global_step - state.global_step - 1)
+
+    def _start_at_the_jobs_step(self) -> None:
+        """Once the engine has started (and, elastic, joined the job): a worker that healed when it joined starts
+        at the job's step, not at its own."""
+        engine = self.diloco
+        if engine is not None and engine.elastic is not None and not engine.round_policy.balanced:
+            self._move_on(self.state, engine.global_step - self.state.global_step)
+
+    def _move_on(self, state, extra: int) -> None:
+        """Add `extra` steps to `global_step` and the LR scheduler; after a heal, skip the data of those steps."""
         if extra <= 0:
             return
+        if not self.diloco.round_policy.balanced:  # a heal: this worker missed those steps
+            self._skip_the_missed_steps(state.global_step, extra)
         state.global_step += extra
         if not isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             for _ in range(extra):
                 self.lr_scheduler.step()
+
+    def _skip_the_missed_steps(self, own_step: int, missed: int) -> None:
+        """The steps a heal moved the engine past: their batches are skipped, and they count in no logged loss."""
+        self._batches_to_skip += missed * self.args.gradient_accumulation_steps
+        # Mid-run; at the start of train() the Trainer sets it from `global_step` after this.
+        self._globalstep_last_logged = getattr(self, "_globalstep_last_logged", 0) + missed
+        if self.is_world_process_zero():
+            logger.warning(
+                f"Healed from a live worker after {own_step} step(s) of its own: this worker continues at the job's "
+                f"step {own_step + missed} and skips the {missed} step(s) of data it missed."
+            )
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
+        """The Trainer's next batches, after the batches of the steps a heal skipped (an epoch's end stops the skip;
+        the rest is skipped from the next epoch on)."""
+        while self._batches_to_skip > 0:
+            try:
+                next(epoch_iterator)
+            except StopIteration:
+                return [], None
+            self._batches_to_skip -= 1
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
 
     def _steps_since_last_log(self) -> int:
         """Inner steps this worker trained since its last log (its loss is summed over them)."""
