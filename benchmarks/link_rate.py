@@ -6,13 +6,18 @@ best, the same as one TCP stream of S bytes. For every rate this measures, each 
 
 - `tcp`: one TCP connection, S bytes from end 0 to end 1 (python sockets), until end 1 confirmed the last byte;
 - `tcp_both`: one TCP connection, S bytes each way at once (what gloo's single connection per pair carries);
+- `tcp_pair`: S bytes each way at once, each direction on its own connection;
 - `all_to_all`: gloo's `all_to_all_single` of S bytes each way between two processes;
+- `point_to_point`: the same S bytes each way by `exchange_point_to_point` (receives posted before sends);
 - `exchange_<codec>`: one blocking `OuterExchange.launch` (reduce_scatter, M = 2, schedule tag included) of a
   vector whose encoded payload makes the rank send about S bytes (the exact count is the package's `bytes_sent`).
 
-Seconds are the slower end's, from a barrier to the end of the transfer; `efficiency` = the nominal time at R
-(bytes each way x 8 / R) / the measured time; `vs_tcp` = the achieved rate / the median `tcp` rate at that R.
-Needs root and iproute2.
+Seconds are the slower end's, from a barrier to the end of the transfer; `of the rate` = the nominal time at R
+(bytes each way x 8 / R) / the measured time; `of TCP` = the achieved rate / the median `tcp` rate at that R. For
+the exchanges, `s in transfers` is the time inside their payload transfers (the rank that reached them last; coding
+and copies excluded), and its share of the rate is what `hf_diloco.core.projection` calls the link efficiency (the
+projection counts the coding as host CPU). Run it with `--modes tcp,all_to_all,exchange` from a checkout without
+`exchange_point_to_point` to measure that package. Needs root and iproute2.
 
 ```
 python -m benchmarks.link_rate --rates 10,100,1000 --out benchmarks/results/link_rate.json
@@ -183,22 +188,51 @@ def gloo_role(spec: dict) -> None:
                 if repeat:
                     runs.append({"seconds": time.perf_counter() - started, "bytes_sent": nbytes})
         else:
+            transfer = _time_transfers()
             codec = make_codec(mode.removeprefix("exchange_"))
             exchange = OuterExchange(topology, codec)
             numel = _numel_for(exchange, nbytes)
             vector = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
             for repeat in range(spec["repeats"] + 1):  # the first one warms buffers and coding threads
                 dist.barrier()
-                started = time.perf_counter()
+                started, transfer[0] = time.perf_counter(), 0.0
                 tag = ScheduleTag("launch", 0, repeat)
                 result = exchange.launch(vector, "link_rate", blocking=True, schedule=tag).wait()
                 if repeat:
-                    runs.append({"seconds": time.perf_counter() - started, "bytes_sent": result.bytes_sent})
+                    seconds = time.perf_counter() - started
+                    runs.append({"seconds": seconds, "bytes_sent": result.bytes_sent, "transfer_seconds": transfer[0]})
             exchange.close()
         results[mode] = runs
     dist.barrier()
     Path(spec["out"]).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def _time_transfers() -> list[float]:
+    """Make the exchange add the seconds its payload transfers take to the returned list's only entry (coding and
+    copies excluded). Wraps `exchange_point_to_point`, or in a package without it the `all_to_all_single` it used."""
+    import torch.distributed as dist
+
+    from hf_diloco.core import exchange as exchange_module
+
+    total = [0.0]
+    owner, name = (exchange_module, "exchange_point_to_point")
+    if not hasattr(exchange_module, name):
+        owner, name = (dist, "all_to_all_single")
+    function = getattr(owner, name)
+    if getattr(function, "timed", False):
+        return function.timed
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - started
+
+    timed.timed = total
+    setattr(owner, name, timed)
+    return total
 
 
 def _numel_for(exchange, nbytes: int) -> int:
@@ -276,14 +310,19 @@ def measure_gloo(link: SlowLink, nbytes: int, repeats: int, modes: list[str], wo
     ranks = [json.loads((work / f"g{rank}").read_text()) for rank in range(2)]
     return {
         mode: [
-            {"seconds": max(a["seconds"], b["seconds"]), "bytes_sent": a["bytes_sent"]}
+            {
+                "seconds": max(a["seconds"], b["seconds"]),
+                "bytes_sent": a["bytes_sent"],
+                # The rank that reached a transfer last waited least for its peer's coding.
+                "transfer_seconds": min(a.get("transfer_seconds", 0.0), b.get("transfer_seconds", 0.0)),
+            }
             for a, b in zip(ranks[0][mode], ranks[1][mode])
         ]
         for mode in modes
     }
 
 
-def _row(mode: str, rate: float, runs: list[dict], tcp_rate: float | None, floor: list[dict] | None) -> dict:
+def _row(mode: str, rate: float, runs: list[dict], tcp_rate: float | None) -> dict:
     seconds = statistics.median(run["seconds"] for run in runs)
     nbytes = runs[0]["bytes_sent"]
     achieved = nbytes * 8 / seconds / 1e6
@@ -298,14 +337,14 @@ def _row(mode: str, rate: float, runs: list[dict], tcp_rate: float | None, floor
         "achieved_mbit": achieved,
         "efficiency": achieved / rate,
         "vs_tcp": achieved / tcp_rate if tcp_rate else None,
-        "unlimited_seconds": None,
+        "transfer_seconds": None,
         "link_efficiency": None,
     }
-    if floor:
-        # The same exchange without tbf: its coding, copies and round trips; what the link added is the rest.
-        unlimited = statistics.median(run["seconds"] for run in floor)
-        row["unlimited_seconds"] = unlimited
-        row["link_efficiency"] = nominal / max(seconds - unlimited, 1e-9)
+    if mode.startswith("exchange"):
+        # The exchange's payload transfers alone (its coding and copies excluded): what the projection calls transfer.
+        transfer = statistics.median(run["transfer_seconds"] for run in runs)
+        row["transfer_seconds"] = transfer
+        row["link_efficiency"] = nominal / transfer
     return row
 
 
@@ -321,28 +360,24 @@ def measure_rate(link: SlowLink, rate: float, nbytes: int, args: argparse.Namesp
             measured[mode] = [{"seconds": t, "bytes_sent": nbytes} for t in times]
     if gloo_modes:
         measured.update(measure_gloo(link, nbytes, args.repeats, gloo_modes, work))
-    floors: dict[str, list[dict]] = {}
-    if exchanges:
-        link.set_rate(None)
-        floors = measure_gloo(link, nbytes, args.repeats, exchanges, work)
-    tcp = _row("tcp", rate, measured["tcp"], None, None)["achieved_mbit"] if "tcp" in measured else None
-    return [_row(mode, rate, runs, tcp, floors.get(mode)) for mode, runs in measured.items()]
+    tcp = _row("tcp", rate, measured["tcp"], None)["achieved_mbit"] if "tcp" in measured else None
+    return [_row(mode, rate, runs, tcp) for mode, runs in measured.items()]
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [
         "| rate (Mbit/s) | measurement | bytes each way | seconds (median) | nominal s | achieved Mbit/s | "
-        "of the rate | of TCP | s without tbf | link share of the rate |",
+        "of the rate | of TCP | s in transfers | transfers: share of the rate |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         vs_tcp = f"{row['vs_tcp']:.2f}" if row["vs_tcp"] else "-"
-        unlimited = f"{row['unlimited_seconds']:.3f}" if row["unlimited_seconds"] is not None else "-"
+        transfer = f"{row['transfer_seconds']:.3f}" if row["transfer_seconds"] is not None else "-"
         link = f"{row['link_efficiency']:.2f}" if row["link_efficiency"] is not None else "-"
         lines.append(
             f"| {row['rate_mbit']:g} | {row['mode']} | {row['bytes_each_way']:,} | {row['median_seconds']:.3f} | "
             f"{row['nominal_seconds']:.3f} | {row['achieved_mbit']:.1f} | {row['efficiency']:.2f} | {vs_tcp} | "
-            f"{unlimited} | {link} |"
+            f"{transfer} | {link} |"
         )
     return "\n".join(lines)
 

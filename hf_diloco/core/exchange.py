@@ -8,7 +8,9 @@ With M workers and D data-parallel ranks per worker, the flat vector is padded t
 3. encode that averaged chunk again and all-gather the encoded chunks (an `all_to_all` that sends the same payload
    to every worker); every rank decodes all of them.
 
-Quantized values are therefore never summed in low precision, and every worker ends with the same bytes.
+Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. Each
+`all_to_all` of payloads is sent as point-to-point messages, receives posted first (`exchange_point_to_point`), so
+both directions of a link carry their payloads at once.
 
 `pattern="all_gather"` replaces steps 1-3 by one all-gather of every worker's encoded shard (an `all_to_all` that
 sends the same payload to every worker); each rank decodes all of them and sums them in fp32 in worker order. The
