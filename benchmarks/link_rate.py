@@ -39,10 +39,7 @@ import threading
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks.netns import SlowLink, cleanup_stale  # noqa: E402
+from benchmarks.netns import SlowLink, cleanup_stale
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TCP_PORT = 29400
