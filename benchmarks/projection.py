@@ -27,6 +27,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS_DIR
 from hf_diloco.core.projection import (
     EXCHANGE_STAGES,
+    MEASURED_LINK_EFFICIENCY,
     STEP_SOURCE,
     STEP_TIMES,
     host_seconds,
@@ -48,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--costs", default=f"{RESULTS_DIR}/sync_cost.json", help="benchmarks.sync_cost output.")
     parser.add_argument("--threads", type=int, default=1, help="Which thread count of --costs.")
     parser.add_argument("--links", type=float, nargs="+", default=[1.0, 10.0], help="Link bandwidths, Gbit/s.")
-    parser.add_argument("--link_efficiency", type=float, default=1.0, help="Share of the link rate an exchange gets.")
+    parser.add_argument(
+        "--link_efficiency",
+        type=float,
+        default=MEASURED_LINK_EFFICIENCY,
+        help=f"Share of the link rate an exchange gets (default: the measured {MEASURED_LINK_EFFICIENCY:g}).",
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument(
         "--parameter_bytes", type=int, default=2, help="Bytes per parameter on the GPUs (2: bf16; 4: fp32 + autocast)."
@@ -134,7 +140,7 @@ def project(args: argparse.Namespace, rates: dict[str, float]) -> list[dict]:
     return rows
 
 
-def validate(wan: dict, rates: dict[str, float], link_efficiency: float = 1.0) -> list[dict]:
+def validate(wan: dict, rates: dict[str, float], link_efficiency: float = MEASURED_LINK_EFFICIENCY) -> list[dict]:
     """Predicted and measured utilization of every diloco / streaming run of a benchmarks.wan result."""
     settings, rows = wan["settings"], []
     for run in wan["runs"]:

@@ -75,12 +75,14 @@ def test_a_git_revision_is_timed_side_by_side_with_its_own_code(costs):
 
 @pytest.mark.timeout(300)
 def test_projection_bytes_period_and_host_time_follow_the_formulas(costs, capsys):
-    rows = projection.main(["--costs", str(costs), "--links", "1", "--settings", "4,100,1"])
+    rows = projection.main(
+        ["--costs", str(costs), "--links", "1", "--settings", "4,100,1", "--link_efficiency", "0.8"]
+    )
     row = next(r for r in rows if r["model"] == "7B")
     parameters, gpus, batch, tokens_per_second = 6_658_859_008, 8, 98_304, 85_144  # llm-foundry's 7B row
     fp4_bytes = parameters / 4 * (4 + 32 / 128) / 8  # one fragment: 4-bit codes, an fp32 scale per 128 values
     assert row["bytes_per_sync"] == pytest.approx(fp4_bytes)  # reduce_scatter, M = 2: 2 (M - 1) / M = 1 payload
-    assert row["transfer_seconds"] == pytest.approx(fp4_bytes * 8 / 1e9)
+    assert row["transfer_seconds"] == pytest.approx(fp4_bytes * 8 / (1e9 * 0.8))
     step = batch / tokens_per_second
     assert row["period_seconds"] == pytest.approx(100 / 4 * step) and row["window_seconds"] == pytest.approx(step)
     rate = {

@@ -13,7 +13,14 @@ import torch
 from hf_diloco import DiLoCo, DiLoCoConfig
 from hf_diloco.core import exchange as exchange_module
 from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import OuterExchange, OuterGroup, OuterSyncError, deflate_payload, inflate_payload
+from hf_diloco.core.exchange import (
+    OuterExchange,
+    OuterGroup,
+    OuterSyncError,
+    deflate_payload,
+    exchange_point_to_point,
+    inflate_payload,
+)
 from hf_diloco.core.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_llama, tiny_model, train_engine
@@ -70,6 +77,46 @@ def test_quantized_average_and_bytes_on_the_wire(workers):
 
 # topk too: a chunk-wise top-k whose workers' supports differ, decoded and summed in fp32.
 GATHER_CODECS = [*CODECS, "topk"]
+
+
+def _payload(sender: int, receiver: int, nbytes: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * sender + receiver)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+# Bytes member i sends to member j (uneven, one pair empty); what each member sends itself is never sent.
+POINT_TO_POINT_SIZES = [[0, 5000, 17], [1, 0, 0], [70000, 3, 0]]
+
+
+def _point_to_point_and_all_to_all(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    import torch.distributed as dist
+
+    outgoing = [
+        _payload(rank, j, n) if j != rank else torch.empty(0, dtype=torch.uint8)
+        for j, n in enumerate(POINT_TO_POINT_SIZES[rank])
+    ]
+    arriving = [POINT_TO_POINT_SIZES[j][rank] if j != rank else 0 for j in range(world)]
+    by_messages = torch.full((sum(arriving),), 7, dtype=torch.uint8)
+    exchange_point_to_point(
+        by_messages.split(arriving), torch.cat(outgoing).split([p.numel() for p in outgoing]), dist.group.WORLD, rank
+    )
+    by_collective = torch.empty(sum(arriving), dtype=torch.uint8)
+    sizes = [p.numel() for p in outgoing]
+    dist.all_to_all_single(by_collective, torch.cat(outgoing), output_split_sizes=arriving, input_split_sizes=sizes)
+    return list(by_messages.split(arriving)), list(by_collective.split(arriving))
+
+
+@pytest.mark.timeout(120)
+def test_point_to_point_exchange_delivers_what_all_to_all_delivers():
+    results = run_on_processes(_point_to_point_and_all_to_all, 3)
+    for rank, (by_messages, by_collective) in enumerate(results):
+        for sender in range(3):
+            expected = _payload(sender, rank, POINT_TO_POINT_SIZES[sender][rank]) if sender != rank else None
+            if expected is None:
+                assert by_messages[sender].numel() == 0
+                continue
+            assert torch.equal(by_messages[sender], expected), (rank, sender)
+            assert torch.equal(by_collective[sender], expected), (rank, sender)
 
 
 def _exchange_all_gather(rank: int, world: int, numel: int) -> dict:

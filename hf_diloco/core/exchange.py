@@ -8,7 +8,9 @@ With M workers and D data-parallel ranks per worker, the flat vector is padded t
 3. encode that averaged chunk again and all-gather the encoded chunks (an `all_to_all` that sends the same payload
    to every worker); every rank decodes all of them.
 
-Quantized values are therefore never summed in low precision, and every worker ends with the same bytes.
+Quantized values are therefore never summed in low precision, and every worker ends with the same bytes. Each
+`all_to_all` of payloads is sent as point-to-point messages, receives posted first (`exchange_point_to_point`), so
+both directions of a link carry their payloads at once.
 
 `pattern="all_gather"` replaces steps 1-3 by one all-gather of every worker's encoded shard (an `all_to_all` that
 sends the same payload to every worker); each rank decodes all of them and sums them in fp32 in worker order. The
@@ -60,7 +62,8 @@ from .topology import Topology, gather_rows
 # exchange changes its collectives or payload layout. 2: the all-gather is an all_to_all, optional entropy coding.
 # 3: an engine's exchange among a fixed group starts with its schedule tag (`ScheduleTag`). 4: low rank with D > 1
 # data-parallel ranks averages each rank's own matrices' factors and share of the rest (`lowrank_split.py`).
-WIRE_FORMAT = 4
+# 5: payloads travel as point-to-point messages, receives posted first (`exchange_point_to_point`).
+WIRE_FORMAT = 5
 
 
 @dataclass(frozen=True)
@@ -666,7 +669,7 @@ class _ExchangeJob:
         sizes, arriving = _without(sizes, me), _without(arriving, me)
         received = self.exchange.scratch(sum(arriving))
         send = self.exchange.send_buffer([p for j, p in enumerate(payloads) if j != me])
-        dist.all_to_all_single(received, send, output_split_sizes=arriving, input_split_sizes=sizes, group=outer.group)
+        exchange_point_to_point(received.split(arriving), send.split(sizes), outer.group, me)
         sent += sum(sizes)
         parts = list(received.split(arriving))
         parts[me] = payloads[me]
@@ -681,6 +684,31 @@ class _ExchangeJob:
         gathered = torch.empty(topo.data_parallel_size * shard.numel(), dtype=shard.dtype)
         dist.all_gather(list(gathered.chunk(topo.data_parallel_size)), shard, group=topo.data_parallel_sync_group)
         return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
+
+
+def exchange_point_to_point(
+    incoming: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    outgoing: list[torch.Tensor] | tuple[torch.Tensor, ...],
+    group: dist.ProcessGroup | None,
+    me: int,
+) -> None:
+    """What `all_to_all_single` does, as point-to-point messages: `outgoing[j]` to member j of `group`, what member j
+    sends into `incoming[j]` (empty entries, and this member's own, are skipped), every receive posted before any send.
+
+    Why not `all_to_all_single`: gloo's TCP transport sends a payload only after the receiver announced its receive,
+    and queues that announcement behind whatever the connection is already sending. gloo's all_to_all posts its send
+    before its receive, so with two workers the one that posts last streams its whole payload before its announcement
+    can reach the other: the two directions of the full-duplex link take turns, and an exchange took twice the link's
+    time (`benchmarks.link_rate`). Receives posted first announce themselves before any payload is queued.
+    """
+    works = [
+        dist.irecv(part, group=group, group_src=j) for j, part in enumerate(incoming) if j != me and part.numel() > 0
+    ]
+    works += [
+        dist.isend(part, group=group, group_dst=j) for j, part in enumerate(outgoing) if j != me and part.numel() > 0
+    ]
+    for work in works:
+        work.wait()
 
 
 def check_in_step(outer: OuterGroup, schedule: ScheduleTag) -> int:
