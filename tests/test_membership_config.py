@@ -57,6 +57,18 @@ def test_a_launch_of_several_processes_under_membership_is_refused_saying_what_t
     config = DiLoCoConfig(**ELASTIC)
     with pytest.raises(ValueError, match=r"this launch has 2 processes.*torchrun --nproc_per_node 1"):
         membership_from_config(config, Topology(RankLayout(2), 0, {}))
-    with pytest.raises(ValueError, match="launch one per site"):
+    with pytest.raises(ValueError, match="Set data_parallel_per_worker to 4 to make these processes one site"):
         check_one_process_per_site(config, 4)
+    with pytest.raises(ValueError, match="data_parallel_per_worker 2: under elastic membership one launch is one"):
+        check_one_process_per_site(DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2), 4)
     check_one_process_per_site(DiLoCoConfig(), 4)  # a fixed membership of several processes is as before
+
+
+def test_a_launch_of_one_sites_data_parallel_ranks_is_one_membership_of_that_many_ranks():
+    """A launch of D processes with data_parallel_per_worker D is one site: each rank's membership says its rank in
+    the site and D (nothing connects before `bind`)."""
+    config = DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2)
+    check_one_process_per_site(config, 2)
+    membership = membership_from_config(config, Topology(RankLayout(2, 1, 2), 1, {"control": object()}))
+    assert (membership.replica_id, membership.site_rank, membership.site_size) == ("site-a", 1, 2)
+    assert membership.manager is None
