@@ -64,7 +64,8 @@ class RoundView:
         group: a process group of the members, one rank per worker (None when this worker is alone).
         rank: this worker's rank in it.
         size: the number of members.
-        healed: this worker has just loaded a live peer's state (through the `load_state_dict` it was bound to).
+        healed: this worker has just loaded a live peer's state (through the `load_state_dict` it was bound to);
+            on a site of several ranks, true on all of them when any one did.
         heal_bytes: bytes received for that state.
         heal_seconds: seconds the transfer took.
     """
@@ -280,11 +281,7 @@ class ElasticRounds:
         engine = self.engine
         check_peer_settings(engine.config, state)
         engine.inner_step = load_shared_state(engine.fragments, engine.guard, state)
-        for fragment in engine.fragments:
-            fragment.write_local(fragment.theta_g)
-            fragment.residual = None
-            if fragment.trajectory is not None:  # eager: this worker's own start point restarts from θg
-                fragment.trajectory.restart_from(fragment)
+        # θg reaches the model in `_begin`, on every rank of the site at once (a collective among them).
         for index, flight in state["flights"].items():
             # A completed exchange the others apply later (τ > 0, delayed, eager): this worker sent nothing in it.
             fragment = engine.fragments[int(index)]
@@ -313,6 +310,7 @@ class ElasticRounds:
             stats.membership_drops += max(0, stats.workers_in_round - view.size)
         stats.workers_in_round = view.size
         if view.healed:
+            self._write_healed_state()
             stats.heals += 1
             stats.heal_bytes += view.heal_bytes
             stats.heal_seconds += view.heal_seconds
@@ -325,6 +323,16 @@ class ElasticRounds:
                 self.engine.inner_step,
             )
         return view
+
+    def _write_healed_state(self) -> None:
+        """After a heal, on every rank of the site (each rank's θg share: the peer's it loaded, or its own where
+        torchft healed only some of the site's ranks, at a job's first group): θg into the model, this worker's
+        own residuals dropped, eager's start point restarted from θg."""
+        for fragment in self.engine.fragments:
+            fragment.write_local(fragment.theta_g)
+            fragment.residual = None
+            if fragment.trajectory is not None:  # eager: this worker's own start point restarts from θg
+                fragment.trajectory.restart_from(fragment)
 
     def _run(self, fragment: Fragment | None, delta: torch.Tensor | None, view: RoundView) -> None:
         """Exchange until the members commit (retrying the same Δ among whoever is left), then apply."""

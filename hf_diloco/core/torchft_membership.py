@@ -220,7 +220,10 @@ class TorchftMembership:
             view = self._quorum()
             self._check_quorum()
             healed = view if view.healed else healed
-        if healed.healed and not view.healed:
+        # At a job's first group torchft heals each rank of a site from its own primary (rank k's is member k mod
+        # M), so some ranks of a site may heal and others not: every rank then writes θg into the model alike.
+        (site_healed,) = self._site_any(healed.healed)
+        if site_healed and not view.healed:
             view = RoundView(view.group, view.rank, view.size, True, healed.heal_bytes, healed.heal_seconds)
         return view
 
