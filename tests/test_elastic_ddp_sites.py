@@ -5,6 +5,7 @@ the live site, and all four ranks finish with the same θg, bit for bit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from tests.elastic_common import ElasticJob
@@ -34,24 +36,33 @@ class DdpSites(ElasticJob):
         argv = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(SCRIPT), self.lighthouse.address()]
         argv += [site, str(slot), str(self.out), str(STEPS), *extra]
         log = (self.out / f"{site}.log").open("ab")
-        # Its own session: the test kills the site's torchrun and both of its ranks at once, as a lost machine.
-        process = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
-        )
-        self.processes[site] = process
-        return process
+        self.processes[site] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        return self.processes[site]
 
     def wait_for_ranks(self, site: str, predicate) -> None:
         for rank in RANKS:
             self.wait_for(f"{site}_r{rank}", predicate)
 
     def kill_site(self, site: str) -> None:
+        """Kill the site's torchrun and both of its ranks at once, as a lost machine (by their ids: torchrun starts
+        its ranks in sessions of their own)."""
         process = self.processes.pop(site)
-        os.killpg(process.pid, signal.SIGKILL)
+        ranks = psutil.Process(process.pid).children(recursive=True)
+        for victim in [process, *ranks]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGKILL)
         process.wait()
+        psutil.wait_procs(ranks, timeout=30)
         for rank in RANKS:  # a restarted site's events start afresh
             path = self.out / f"events_{site}_r{rank}.jsonl"
-            path.rename(path.with_suffix(".lost"))
+            if path.exists():
+                path.rename(path.with_suffix(".lost"))
+
+    def close(self) -> None:
+        for site, process in list(self.processes.items()):
+            if process.poll() is None:
+                self.kill_site(site)
+        super().close()
 
 
 def test_a_site_of_two_ranks_lost_and_restarted_heals_both_ranks_and_ends_identical(tmp_path):
@@ -90,5 +101,6 @@ def test_a_site_of_two_ranks_lost_and_restarted_heals_both_ranks_and_ends_identi
         assert restarted["step"] >= WAIT_AT, restarted  # it continued where the job was, not from step 0
         metrics = finals["site-b", rank]["metrics"]
         assert finals["site-b", rank]["summary"]["heals"] >= 1 and metrics["diloco/heal_bytes"] > 0, metrics
-        # Rank k heals its own half of θg and of the outer optimizer state from rank k of site-a, not the whole.
-        assert metrics["diloco/heal_bytes"] < 2 * 4 * numel, (metrics["diloco/heal_bytes"], numel)
+        # Rank k heals its own half of θg and of the outer momentum (4 bytes x numel / 2 each) from rank k of
+        # site-a, not the whole of both (8 bytes x numel); a few KiB of framing on top.
+        assert 4 * numel < metrics["diloco/heal_bytes"] < 4 * numel + 16384, (metrics["diloco/heal_bytes"], numel)
