@@ -13,6 +13,7 @@ whole θg and its membership summary and metrics to OUT/final_SITE_rRANK.pt.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ def main() -> None:
 
     def bind_and_say(self: TorchftMembership, *args: object) -> None:
         bind(self, *args)  # from here on the Lighthouse waits for this site before it forms a quorum
-        event(kind="bound")
+        event(kind="bound", pid=os.getpid())
 
     TorchftMembership.bind = bind_and_say
     config = DiLoCoConfig(
