@@ -24,7 +24,8 @@ Every exchange runs inline, at its launch: the overlap mode's rule (streaming wi
 its average is applied, as without elastic membership, but the communication itself is not overlapped with compute.
 Between two groups nothing is in flight, so a group can be formed and a state served at any launch; a worker that
 heals receives the averages the others have completed and not applied yet, and applies them at the same steps.
-One process per worker; docs/design.md says why.
+A worker is one process, or a site of D data-parallel ranks (each rank's membership forms the site's one quorum, and
+rank k exchanges its share with rank k of the other sites; docs/design.md, "A site of several ranks").
 """
 
 from __future__ import annotations
