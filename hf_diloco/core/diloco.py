@@ -75,10 +75,9 @@ class DiLoCo:
         extra_fingerprint: any text every rank must agree on besides the DiLoCo settings and the model (e.g. the
             training schedule, tokenizer and data hashes); compared at start-up.
         membership: elastic workers (`elastic.py`): every exchange runs among the workers present, found by this
-            backend (e.g. `TorchftMembership`), instead of a fixed group. This process is then one whole worker (or
-            one of the D data-parallel ranks of one, with `topology` that site's D ranks), and a worker that starts
-            behind the others takes their state during construction: read `inner_step` afterwards to know where
-            training continues.
+            backend (e.g. `TorchftMembership`), instead of a fixed group. This process is one worker (or one of its
+            D DDP ranks, `topology` being theirs); a worker behind the others takes their state during construction:
+            read `inner_step` afterwards to know where training continues.
     """
 
     def __init__(
@@ -102,8 +101,7 @@ class DiLoCo:
         check_topology_matches(self.topology, config)
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.sharded_model = is_sharded(params, self.topology)
-        if membership is not None:
-            check_elastic_replicated(self.sharded_model)
+        check_elastic_replicated(membership, self.sharded_model)
         shapes = {name: tuple(p.shape) for name, p in params.items()}
         block_stack = find_block_stack(model)
         pieces = partition_fragments(shapes, config.num_fragments, config.fragment_pattern, block_stack, num_blocks)
@@ -470,8 +468,10 @@ def check_elastic_supported(
     )
 
 
-def check_elastic_replicated(sharded_model: bool) -> None:
+def check_elastic_replicated(membership: Membership | None, sharded_model: bool) -> None:
     """Refuse a model sharded with FSDP under elastic membership (a site's ranks must each hold the whole model)."""
+    if membership is None:
+        return
     refuse_unsupported(
         "Elastic membership runs among sites of one process or of data-parallel (DDP) ranks",
         ["a model sharded with FSDP (each rank of a site must hold the whole model, as DDP does)"]
