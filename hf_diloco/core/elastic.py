@@ -197,8 +197,10 @@ class ElasticRounds:
                 self.alone_without_state = False
                 return
             # Every member waits until the others have healed (a peer serves its state only until it commits), then
-            # commits the join as a round: a worker that starts later is behind, and heals.
-            if self._barrier(view) and self.membership.end_round():
+            # commits the join as a round: a worker that starts later is behind, and heals. Every rank of a site
+            # votes, its barrier failed or not (the site's commit waits for all of its ranks).
+            reached = self._barrier(view)
+            if self.membership.end_round() and reached:
                 # Alone in a job that has run: its own initial weights would start the job over (`check_can_train`).
                 earlier = getattr(self.membership, "earlier_members", [])
                 self.alone_without_state = view.size == 1 and not view.healed and bool(earlier)
