@@ -214,8 +214,9 @@ def test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join(job, mode)
 @pytest.mark.parametrize(
     "settings, named",
     [
-        (dict(data_parallel_per_worker=2), "more than one process per worker"),
-        (dict(pipeline_stages=2), "more than one process per worker"),
+        (dict(data_parallel_per_worker=2), "data_parallel_per_worker 2 without the site's topology"),
+        (dict(data_parallel_per_worker=2), "a membership of site_size 1 for data_parallel_per_worker 2"),
+        (dict(pipeline_stages=2), "pipeline stages"),
         (dict(lowrank_rank=2), "low-rank or adaptive compression"),
     ],
 )

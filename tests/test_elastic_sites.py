@@ -20,14 +20,20 @@ from tests.dist_utils import free_port
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "scripts" / "elastic_trainer_site.py"
 LIGHTHOUSE = Path(sys.executable).parent / "torchft_lighthouse"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 SITES = ["site-a", "site-b"]
 
 
 def run_sites(
-    tmp_path: Path, die_at: dict[str, int] | None = None, round_policy: str = "steps", **variables: str
+    tmp_path: Path,
+    die_at: dict[str, int] | None = None,
+    round_policy: str = "steps",
+    ranks: int = 1,
+    **variables: str,
 ) -> tuple[list[int], dict[str, str]]:
     """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step; `variables` go to
-    their environment), then stop the Lighthouse; their exit codes and logs."""
+    their environment; with `ranks` > 1 each site is a torchrun of that many data-parallel ranks), then stop the
+    Lighthouse; their exit codes and logs."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **variables}
     env["ROUND_POLICY"] = round_policy
@@ -39,7 +45,11 @@ def run_sites(
     try:
         time.sleep(1.0)
         for slot, site in enumerate(SITES):
-            argv = [sys.executable, str(SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path)]
+            launcher = [sys.executable]
+            if ranks > 1:
+                launcher = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(ranks)]
+                env["DATA_PARALLEL"] = str(ranks)
+            argv = [*launcher, str(SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path)]
             argv += [str((die_at or {})[site])] if site in (die_at or {}) else []
             log = (tmp_path / f"{site}.log").open("a")
             sites.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -67,6 +77,20 @@ def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_pa
         assert f"elastic, site {site}, min_workers 1" in logs[site], logs[site]
     card = (tmp_path / "site-a" / "README.md").read_text()
     assert "| Worker membership | elastic: 2 exchanges among 2 workers; 0 drop(s), 0 join(s)" in card, card
+
+
+def test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model(tmp_path):
+    """Each site a `torchrun --nproc_per_node 2` of `DiLoCoTrainer` ranks with `data_parallel_per_worker` 2: one member
+    per site, both exchanges with both sites, θg bitwise equal, the start-up line naming the site's ranks."""
+    codes, logs = run_sites(tmp_path, ranks=2)
+    assert codes == [0, 0], logs
+    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
+    for name, value in a["global"].items():
+        assert torch.equal(value, b["global"][name]), name
+    for result in (a, b):
+        assert result["summary"]["exchanges"] == 2 and result["summary"]["most_workers"] == 2, result["summary"]
+    for site in SITES:
+        assert f"elastic, site {site}, min_workers 1: 2 data-parallel ranks per site" in logs[site], logs[site]
 
 
 @pytest.mark.slow

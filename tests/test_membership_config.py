@@ -3,7 +3,10 @@ through every front-end's way of setting fields, out of the fingerprint, and a l
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from hf_diloco import DiLoCoConfig
 from hf_diloco.cli.pretrain_arguments import parse_command_line
@@ -57,6 +60,37 @@ def test_a_launch_of_several_processes_under_membership_is_refused_saying_what_t
     config = DiLoCoConfig(**ELASTIC)
     with pytest.raises(ValueError, match=r"this launch has 2 processes.*torchrun --nproc_per_node 1"):
         membership_from_config(config, Topology(RankLayout(2), 0, {}))
-    with pytest.raises(ValueError, match="launch one per site"):
+    with pytest.raises(ValueError, match="Set data_parallel_per_worker to 4 to make these processes one site"):
         check_one_process_per_site(config, 4)
+    with pytest.raises(ValueError, match="data_parallel_per_worker 2: under elastic membership one launch is one"):
+        check_one_process_per_site(DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2), 4)
     check_one_process_per_site(DiLoCoConfig(), 4)  # a fixed membership of several processes is as before
+
+
+def test_a_launch_of_one_sites_data_parallel_ranks_is_one_membership_of_that_many_ranks():
+    """A launch of D processes with data_parallel_per_worker D is one site: each rank's membership says its rank in
+    the site and D (nothing connects before `bind`)."""
+    config = DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2)
+    check_one_process_per_site(config, 2)
+    membership = membership_from_config(config, Topology(RankLayout(2, 1, 2), 1, {"control": object()}))
+    assert (membership.replica_id, membership.site_rank, membership.site_size) == ("site-a", 1, 2)
+    assert membership.manager is None
+
+
+def test_a_site_of_another_number_of_ranks_is_refused_before_it_joins_naming_the_launch():
+    """A live site published its settings and its D (1 here) in its store: a joiner of D 2 stops before its Manager
+    exists (it would leave rank 1 of its site without a peer), naming the launch that fits."""
+    from hf_diloco.core.torchft_membership import SETTINGS_KEY, TorchftMembership
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    config = DiLoCoConfig(**ELASTIC)
+    published = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
+    store.set(SETTINGS_KEY, json.dumps({**published, "site_size": 1}))
+    joiner = TorchftMembership(ELASTIC["lighthouse"], "site-b", site_rank=0, site_size=2, site_group=object())
+    with pytest.raises(ValueError, match=r"live sites run 1 data-parallel rank\(s\) each and this site 'site-b' 2"):
+        joiner._check_live_settings(published, [f"127.0.0.1:{store.port}"])
+    with pytest.raises(ValueError, match=r"torchrun --nproc_per_node 1, data_parallel_per_worker=1"):
+        joiner._check_live_settings(None, [f"127.0.0.1:{store.port}"])
+    same = TorchftMembership(ELASTIC["lighthouse"], "site-c")
+    same._check_live_settings(published, [f"127.0.0.1:{store.port}"])  # one rank each: joins
+    assert joiner.manager is None and same.manager is None

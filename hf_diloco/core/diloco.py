@@ -75,9 +75,9 @@ class DiLoCo:
         extra_fingerprint: any text every rank must agree on besides the DiLoCo settings and the model (e.g. the
             training schedule, tokenizer and data hashes); compared at start-up.
         membership: elastic workers (`elastic.py`): every exchange runs among the workers present, found by this
-            backend (e.g. `TorchftMembership`), instead of a fixed group. This process is then one whole worker, and
-            a worker that starts behind the others takes their state during construction: read `inner_step`
-            afterwards to know where training continues.
+            backend (e.g. `TorchftMembership`), instead of a fixed group. This process is one worker (or one of its
+            D DDP ranks, `topology` being theirs); a worker behind the others takes their state during construction:
+            read `inner_step` afterwards to know where training continues.
     """
 
     def __init__(
@@ -93,7 +93,7 @@ class DiLoCo:
         self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
         config.outer_schedule()  # a decaying outer schedule without its length is refused before any work
         if membership is not None:
-            check_elastic_supported(config, topology)
+            check_elastic_supported(config, topology, membership)
             topology = topology or Topology.single_process()
         self.topology = topology or Topology.from_default_group(
             config.pipeline_stages, config.data_parallel_per_worker, config.sync_timeout_seconds
@@ -101,6 +101,7 @@ class DiLoCo:
         check_topology_matches(self.topology, config)
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.sharded_model = is_sharded(params, self.topology)
+        check_elastic_replicated(membership, self.sharded_model)
         shapes = {name: tuple(p.shape) for name, p in params.items()}
         block_stack = find_block_stack(model)
         pieces = partition_fragments(shapes, config.num_fragments, config.fragment_pattern, block_stack, num_blocks)
@@ -431,17 +432,52 @@ def _step_after_close(inner_step: int) -> RuntimeError:
     )
 
 
-def check_elastic_supported(config: DiLoCoConfig, topology: Topology | None) -> None:
-    """Refuse, before anything starts, what elastic membership does not run (docs/design.md says why)."""
+def check_elastic_supported(
+    config: DiLoCoConfig, topology: Topology | None, membership: Membership | None = None
+) -> None:
+    """Refuse, before anything starts, what elastic membership does not run (docs/design.md says why). A site is one
+    process, or D data-parallel ranks of a replicated model (DDP) whose `topology` is one worker of D ranks."""
     refused = []
-    if config.pipeline_stages > 1 or config.data_parallel_per_worker > 1:
-        refused.append("more than one process per worker (pipeline_stages and data_parallel_per_worker must be 1)")
-    if topology is not None and (topology.num_workers > 1 or topology.layout.worker_size > 1):
-        refused.append("a fixed topology of several processes (an elastic worker is one process)")
+    dp = config.data_parallel_per_worker
+    if config.pipeline_stages > 1:
+        refused.append("pipeline stages (a site's ranks must be data-parallel ranks: pipeline_stages 1)")
+    if topology is not None and topology.num_workers > 1:
+        refused.append(
+            f"a fixed topology of {topology.num_workers} workers (one launch is one site: data_parallel_per_worker "
+            "must be its number of processes)"
+        )
+    if dp > 1 and (topology is None or topology.data_parallel_size != dp):
+        refused.append(
+            f"data_parallel_per_worker {dp} without the site's topology (pass "
+            f"Topology.from_default_group(data_parallel_per_worker={dp}) over the site's {dp} ranks)"
+        )
+    site_size = getattr(membership, "site_size", 1)
+    if site_size != dp:
+        refused.append(
+            f"a membership of site_size {site_size} for data_parallel_per_worker {dp} (give TorchftMembership "
+            f"site_size={dp} and this rank's site_rank)"
+        )
+    if dp > 1 and config.round_policy != "steps":
+        refused.append(f"round_policy {config.round_policy} on a site of {dp} ranks (use round_policy steps)")
     if config.lowrank_rank or config.adaptive_compression:
         refused.append("low-rank or adaptive compression")
     refuse_unsupported(
-        "Elastic membership runs among single-process workers", refused, "run without elastic membership"
+        "Elastic membership runs among sites of one process or of data-parallel (DDP) ranks",
+        refused,
+        "run without elastic membership",
+    )
+
+
+def check_elastic_replicated(membership: Membership | None, sharded_model: bool) -> None:
+    """Refuse a model sharded with FSDP under elastic membership (a site's ranks must each hold the whole model)."""
+    if membership is None:
+        return
+    refuse_unsupported(
+        "Elastic membership runs among sites of one process or of data-parallel (DDP) ranks",
+        ["a model sharded with FSDP (each rank of a site must hold the whole model, as DDP does)"]
+        if sharded_model
+        else [],
+        "run without elastic membership",
     )
 
 

@@ -24,7 +24,8 @@ Every exchange runs inline, at its launch: the overlap mode's rule (streaming wi
 its average is applied, as without elastic membership, but the communication itself is not overlapped with compute.
 Between two groups nothing is in flight, so a group can be formed and a state served at any launch; a worker that
 heals receives the averages the others have completed and not applied yet, and applies them at the same steps.
-One process per worker; docs/design.md says why.
+A worker is one process, or a site of D data-parallel ranks (each rank's membership forms the site's one quorum, and
+rank k exchanges its share with rank k of the other sites; docs/design.md, "A site of several ranks").
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class RoundView:
         group: a process group of the members, one rank per worker (None when this worker is alone).
         rank: this worker's rank in it.
         size: the number of members.
-        healed: this worker has just loaded a live peer's state (through the `load_state_dict` it was bound to).
+        healed: this worker has just loaded a live peer's state (through the `load_state_dict` it was bound to);
+            on a site of several ranks, true on all of them when any one did.
         heal_bytes: bytes received for that state.
         heal_seconds: seconds the transfer took.
     """
@@ -195,8 +197,10 @@ class ElasticRounds:
                 self.alone_without_state = False
                 return
             # Every member waits until the others have healed (a peer serves its state only until it commits), then
-            # commits the join as a round: a worker that starts later is behind, and heals.
-            if self._barrier(view) and self.membership.end_round():
+            # commits the join as a round: a worker that starts later is behind, and heals. Every rank of a site
+            # votes, its barrier failed or not (the site's commit waits for all of its ranks).
+            reached = self._barrier(view)
+            if self.membership.end_round() and reached:
                 # Alone in a job that has run: its own initial weights would start the job over (`check_can_train`).
                 earlier = getattr(self.membership, "earlier_members", [])
                 self.alone_without_state = view.size == 1 and not view.healed and bool(earlier)
@@ -280,11 +284,7 @@ class ElasticRounds:
         engine = self.engine
         check_peer_settings(engine.config, state)
         engine.inner_step = load_shared_state(engine.fragments, engine.guard, state)
-        for fragment in engine.fragments:
-            fragment.write_local(fragment.theta_g)
-            fragment.residual = None
-            if fragment.trajectory is not None:  # eager: this worker's own start point restarts from θg
-                fragment.trajectory.restart_from(fragment)
+        # θg reaches the model in `_begin`, on every rank of the site at once (a collective among them).
         for index, flight in state["flights"].items():
             # A completed exchange the others apply later (τ > 0, delayed, eager): this worker sent nothing in it.
             fragment = engine.fragments[int(index)]
@@ -313,6 +313,7 @@ class ElasticRounds:
             stats.membership_drops += max(0, stats.workers_in_round - view.size)
         stats.workers_in_round = view.size
         if view.healed:
+            self._write_healed_state()
             stats.heals += 1
             stats.heal_bytes += view.heal_bytes
             stats.heal_seconds += view.heal_seconds
@@ -325,6 +326,16 @@ class ElasticRounds:
                 self.engine.inner_step,
             )
         return view
+
+    def _write_healed_state(self) -> None:
+        """After a heal, on every rank of the site (each rank's θg share: the peer's it loaded, or its own where
+        torchft healed only some of the site's ranks, at a job's first group): θg into the model, this worker's
+        own residuals dropped, eager's start point restarted from θg."""
+        for fragment in self.engine.fragments:
+            fragment.write_local(fragment.theta_g)
+            fragment.residual = None
+            if fragment.trajectory is not None:  # eager: this worker's own start point restarts from θg
+                fragment.trajectory.restart_from(fragment)
 
     def _run(self, fragment: Fragment | None, delta: torch.Tensor | None, view: RoundView) -> None:
         """Exchange until the members commit (retrying the same Δ among whoever is left), then apply."""

@@ -56,7 +56,13 @@ class QuorumTimeout(TimeoutError):
 
 
 class TorchftMembership:
-    """One worker of an elastic job (one process; its `replica_id` names it to the Lighthouse).
+    """One worker of an elastic job (its `replica_id` names it to the Lighthouse): one process, or one rank of a site
+    of several data-parallel ranks (`site_rank`, `site_size`, `site_group`).
+
+    A site of D ranks is one member: its rank 0 runs the Manager's server, which asks the Lighthouse for one quorum
+    on behalf of all D ranks, so every rank of the site sees the same members, step and heal; rank k exchanges over a
+    group of the rank k of every member (the 1/D of each fragment it owns), heals from rank k of a live site, and the
+    site commits a round only when all of its ranks can (torchft's `should_commit` is a vote of the D ranks).
 
     Args:
         lighthouse: the Lighthouse's address, `http://host:port`.
@@ -76,6 +82,10 @@ class TorchftMembership:
         host: the name or address the other workers reach this one at (its group's rendezvous store is announced
             under it); by default this machine's host name, which must resolve to a reachable address at every site.
             The worker's store, checkpoint server and Manager listen on this address only (not on every interface).
+        site_rank, site_size: this process's rank among the site's data-parallel ranks, and their number (every site
+            of the job must have the same; rank k of a site exchanges with rank k of the others).
+        site_group: a gloo group of the site's ranks (its rank 0 first), where rank 0 hands the others the site's
+            store and the ranks agree whether to ask for a quorum again; None for a site of one process.
         secret: the job's shared secret (the same on every worker; never logged or saved): the state this worker
             serves for a heal is signed with it and the state it heals from must be. By default the contents of the
             file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`, else none (payloads unsigned).
@@ -94,9 +104,19 @@ class TorchftMembership:
         poll_seconds: float = 1.0,
         host: str | None = None,
         secret: str | bytes | None = None,
+        site_rank: int = 0,
+        site_size: int = 1,
+        site_group: dist.ProcessGroup | None = None,
     ):
         if min_workers < 1 or start_workers < 1:
             raise ValueError(f"min_workers and start_workers must be at least 1; got {min_workers}, {start_workers}.")
+        if not 0 <= site_rank < site_size or (site_size > 1 and site_group is None):
+            raise ValueError(
+                f"site_rank {site_rank} of site_size {site_size} (site_group {'set' if site_group else 'None'}): "
+                "pass the rank in [0, site_size) of this process among its site's ranks, and with site_size > 1 a "
+                "gloo group of those ranks."
+            )
+        self.site_rank, self.site_size, self._site_group = site_rank, site_size, site_group
         self.lighthouse, self.replica_id = lighthouse, replica_id
         self.min_workers, self.min_workers_timeout, self.poll_seconds = min_workers, min_workers_timeout, poll_seconds
         self._required = max(min_workers, start_workers)
@@ -117,25 +137,33 @@ class TorchftMembership:
 
         sync_timeout, quorum_timeout, connect_timeout = (timedelta(seconds=s) for s in self._timeouts)
         self._load_state_dict = load_state_dict
-        # The worker's own store (one process per worker): the Lighthouse announces it to the other workers as the
-        # rendezvous of the groups this worker leads, under `host`; it listens on `host`'s address only (a socket
-        # bound here and handed over: TCPStore itself would listen on every interface).
-        self._store_socket = _listening_socket(self.host)
-        self._store = dist.TCPStore(
-            self.host,
-            self._store_socket.getsockname()[1],
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=self._store_socket.fileno(),
-        )
-        members = _last_quorum_members(self.lighthouse, min(connect_timeout.total_seconds(), 10.0))
-        self.earlier_members = sorted({replica.split(":")[0] for replica, _ in members})
-        mine = _settings_of(state_dict())
-        if mine is not None:
-            # Before this worker's Manager heartbeats: from then on the Lighthouse waits for it, and the next quorum
-            # includes it, so a refusal at its heal would cost the live workers a failed exchange and a retry.
+        members: list[tuple[str, str]] = []
+        if self.site_rank == 0:
+            # The site's own store, on its rank 0: the Lighthouse announces it to the other workers as the
+            # rendezvous of the groups this site leads, under `host`; it listens on `host`'s address only (a socket
+            # bound here and handed over: TCPStore itself would listen on every interface).
+            self._store_socket = _listening_socket(self.host)
+            self._store = dist.TCPStore(
+                self.host,
+                self._store_socket.getsockname()[1],
+                is_master=True,
+                wait_for_workers=False,
+                master_listen_fd=self._store_socket.fileno(),
+            )
+            members = _last_quorum_members(self.lighthouse, min(connect_timeout.total_seconds(), 10.0))
+            mine = _settings_of(state_dict())
+            # Before this worker's Manager heartbeats: from then on the Lighthouse waits for it, and the next
+            # quorum includes it, so a refusal at its heal would cost the live workers a failed exchange and a
+            # retry.
             self._check_live_settings(mine, [store for _, store in members])
-            self._store.set(SETTINGS_KEY, json.dumps(mine))
+            self._store.set(SETTINGS_KEY, json.dumps({**(mine or {}), "site_size": self.site_size}))
+        # Every rank of a site reads the same store and earlier members: its rank 0's.
+        store_address, members = self._from_site_rank_zero(
+            ((self.host, self._store.port if self._store else 0), members)
+        )
+        if self.site_rank > 0:
+            self._store = dist.TCPStore(*store_address, is_master=False, timeout=connect_timeout)
+        self.earlier_members = sorted({replica.split(":")[0] for replica, _ in members})
         self._pg = ProcessGroupGloo(timeout=sync_timeout)
         with _servers_bound_to(self.host):
             self.manager = Manager(
@@ -147,10 +175,10 @@ class TorchftMembership:
                 timeout=sync_timeout,
                 quorum_timeout=quorum_timeout,
                 connect_timeout=connect_timeout,
-                rank=0,
-                world_size=1,
-                store_addr=self.host,
-                store_port=self._store.port,
+                rank=self.site_rank,
+                world_size=self.site_size,
+                store_addr=store_address[0],
+                store_port=store_address[1],
                 lighthouse_addr=self.lighthouse,
                 replica_id=self.replica_id,
                 hostname=self.host,
@@ -168,8 +196,13 @@ class TorchftMembership:
         required, self._required = self._required, self.min_workers
         view = healed = self._quorum()
         self._check_quorum()
-        while view.size < required or self._error() is not None or (view.group is None and view.size > 1):
-            if time.monotonic() > deadline:
+        while True:
+            # A site's ranks ask again together (each may see its own group fail), and time out together.
+            unready = view.size < required or self._error() is not None or (view.group is None and view.size > 1)
+            unready, expired = self._site_any(unready, time.monotonic() > deadline)
+            if not unready:
+                break
+            if expired:
                 if view.size >= required:
                     raise MinWorkersTimeout(
                         f"could not form a group of the {view.size} workers present within "
@@ -187,9 +220,28 @@ class TorchftMembership:
             view = self._quorum()
             self._check_quorum()
             healed = view if view.healed else healed
-        if healed.healed and not view.healed:
+        # At a job's first group torchft heals each rank of a site from its own primary (rank k's is member k mod
+        # M), so some ranks of a site may heal and others not: every rank then writes θg into the model alike.
+        (site_healed,) = self._site_any(healed.healed)
+        if site_healed and not view.healed:
             view = RoundView(view.group, view.rank, view.size, True, healed.heal_bytes, healed.heal_seconds)
         return view
+
+    def _from_site_rank_zero(self, value: object) -> object:
+        """Rank 0's `value` on every rank of the site (`value` itself for a site of one process)."""
+        if self.site_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._site_group, 0), group=self._site_group)
+        return box[0]
+
+    def _site_any(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag: whether it holds on any rank of the site."""
+        if self.site_size == 1:
+            return flags
+        values = torch.tensor([int(flag) for flag in flags], dtype=torch.int64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._site_group)
+        return tuple(bool(value) for value in values.tolist())
 
     def _check_quorum(self) -> None:
         """Stop at a refused heal (its state is never loaded) or at a second live worker under this worker's id."""
@@ -205,16 +257,27 @@ class TorchftMembership:
                 raise DuplicateReplicaId(message)
             logger.error("%s This worker continues; the other one stops.", message)
 
-    def _check_live_settings(self, mine: dict, stores: list[str]) -> None:
-        """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field): the
-        settings a member of the Lighthouse's last quorum (its store in `stores`) published, read before this worker
-        is a participant. Nothing to compare with (a fresh job, no member reachable): the heal's own check remains."""
+    def _check_live_settings(self, mine: dict | None, stores: list[str]) -> None:
+        """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field) or sites
+        of another number of ranks: what a member of the Lighthouse's last quorum (its store in `stores`) published,
+        read before this worker is a participant. Nothing to compare with (a fresh job, no member reachable): the
+        heal's own check remains."""
         timeout = min(self._timeouts[2], 10.0)
         for address in stores:
             peer = _published_settings(address, timeout)
-            if peer is not None:
+            if peer is None:
+                continue
+            theirs = int(peer.get("site_size", 1))
+            if theirs != self.site_size:
+                raise ValueError(
+                    f"The live sites run {theirs} data-parallel rank(s) each and this site {self.replica_id!r} "
+                    f"{self.site_size}: rank k of a site exchanges with rank k of the others, so every site needs the "
+                    f"same number. Launch this site with {theirs} process(es) (torchrun --nproc_per_node {theirs}, "
+                    f"data_parallel_per_worker={theirs})."
+                )
+            if mine is not None and ("settings" in peer or "fingerprint" in peer):
                 check_published_settings(mine, peer)
-                return
+            return
 
     def progress(self) -> int:
         """The job's committed rounds as torchft counts them (equal on every member after a commit): what a

@@ -88,7 +88,9 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
     rounds = f"{total_steps // config.inner_steps} outer round(s) in {total_steps} {steps_label}"
     if engine.elastic is not None:
         # The workers, and with them what one exchange sends, are the sites present at each exchange.
-        grid = f"elastic, site {config.site}, min_workers {config.min_workers}: one process per site"
+        ranks = topology.data_parallel_size
+        per_site = "one process" if ranks == 1 else f"{ranks} data-parallel ranks"
+        grid = f"elastic, site {config.site}, min_workers {config.min_workers}: {per_site} per site"
         traffic = f"each exchange among the sites present then, found by the Lighthouse at {config.lighthouse}"
     elif workers == 1:
         traffic = "nothing crosses workers (one worker: launch several processes for several workers)"

@@ -5,7 +5,8 @@
 
 With DIE_AT_STEP the process dies (no clean-up, as a lost machine) at the end of that Trainer step. The environment's
 ROUND_POLICY (default `steps`) is the run's `round_policy`; with SAVE_STEPS the site checkpoints every that many
-steps, and with RESUME=1 it resumes from its last checkpoint.
+steps, and with RESUME=1 it resumes from its last checkpoint. Launched by `torchrun --nproc_per_node D` with
+DATA_PARALLEL=D, the site is D data-parallel ranks (its rank 0 writes OUT/SITE.pt).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
             per_device_train_batch_size=2,
             dataloader_pin_memory=False,
             inner_steps=2,
+            data_parallel_per_worker=int(os.environ.get("DATA_PARALLEL", "1")),
             lighthouse=lighthouse,
             site=site,
             site_host="127.0.0.1",
@@ -66,8 +68,9 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=os.environ.get("RESUME") == "1" or None)
     trainer.save_model()  # the global model and its card, in out/SITE
     engine = trainer.diloco
-    result = {"global": engine.global_parameters(), "summary": engine.elastic.log.summary()}
-    torch.save(result, out / f"{site}.pt")
+    result = {"global": engine.global_parameters(), "summary": engine.elastic.log.summary()}  # every rank gathers
+    if trainer.args.process_index == 0:
+        torch.save(result, out / f"{site}.pt")
 
 
 if __name__ == "__main__":
