@@ -11,7 +11,9 @@ used, the long regime's are. `--methods` adds other candidates to the same run (
 `--table` reads such runs and prints, per seed and method, the eval loss gap to DDP of the same seed and how many
 times fewer bytes per token the method sent than DDP, counting every byte: the training loop's and the once-per-run
 tail sync of `close()` (which `benchmarks.comm` reports apart). Then the mean ± standard error of the gaps, over
-the seeds given (`--seeds` picks some, e.g. the held-out ones).
+the seeds given (`--seeds` picks some, e.g. the held-out ones). DDP of a seed may come from any of the runs (a run
+without `ddp@2` borrows it: DDP is deterministic for a seed); two DDP runs of one seed with different losses are
+refused.
 """
 
 from __future__ import annotations
@@ -71,16 +73,36 @@ def seed_of(run: dict) -> int:
     return int(command[command.index("--seed") + 1]) if "--seed" in command else 0
 
 
+def ddp_by_seed(runs: list[dict]) -> dict[int, dict]:
+    """The `ddp@2` result of every seed among `runs`; a seed's DDP runs must agree on the loss."""
+    found: dict[int, dict] = {}
+    for run in runs:
+        for result in run["results"]:
+            if result["method"] != "ddp@2":
+                continue
+            seed = seed_of(run)
+            first = found.setdefault(seed, result)
+            if first["eval_loss"] != result["eval_loss"]:
+                raise ValueError(
+                    f"two ddp@2 runs of seed {seed} disagree ({first['eval_loss']} and {result['eval_loss']}): "
+                    "compare runs made with the same package."
+                )
+    return found
+
+
 def table(runs: list[dict], seeds: list[int] | None = None) -> list[str]:
     """Per seed and method: gap to DDP and bytes ratio (tail included); then mean ± s.e. of the gaps."""
     rows: dict[str, dict[int, tuple[float, float]]] = {}
+    ddp_of = ddp_by_seed(runs)
     for run in runs:
         seed = seed_of(run)
         if seeds and seed not in seeds:
             continue
-        ddp = next(r for r in run["results"] if r["method"] == "ddp@2")
+        if seed not in ddp_of:
+            raise ValueError(f"no ddp@2 run of seed {seed} among the runs: add one (benchmarks.quality --long).")
+        ddp = ddp_of[seed]
         for result in run["results"]:
-            if result is ddp:
+            if result["method"] == "ddp@2":
                 continue
             gap = result["eval_loss"] / ddp["eval_loss"] - 1
             fewer = total_bytes_per_token(ddp) / total_bytes_per_token(result)

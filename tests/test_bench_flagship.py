@@ -34,6 +34,22 @@ def test_table_counts_the_tail_and_gives_mean_and_standard_error(tmp_path, capsy
     assert capsys.readouterr().out
 
 
+def test_table_borrows_ddp_of_the_same_seed_and_refuses_ddp_runs_that_disagree(tmp_path):
+    with_ddp, without = _run(2, 4.0, 4.04, 0), _run(2, 4.0, 4.08, 0)
+    without["results"] = [{**without["results"][1], "method": "diloco:inner_steps=60@2"}]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, run in zip(paths, (with_ddp, without)):
+        path.write_text(json.dumps(run))
+    lines = flagship.main(["--table", *map(str, paths)])
+    assert [line.split(" | ")[1] for line in lines[2:]] == ["+1.00%", "+2.00%"]
+    paths[1].write_text(json.dumps(_run(2, 4.1, 4.08, 0)))
+    with pytest.raises(ValueError, match="two ddp@2 runs of seed 2 disagree"):
+        flagship.main(["--table", *map(str, paths)])
+    paths[1].write_text(json.dumps({**without, "command": without["command"].replace("--seed 2", "--seed 3")}))
+    with pytest.raises(ValueError, match="no ddp@2 run of seed 3"):
+        flagship.main(["--table", *map(str, paths)])
+
+
 @pytest.mark.parametrize("name", ["slow_link"])
 def test_shipped_config_becomes_a_diloco_spec_of_two_workers(name):
     spec = flagship.config_method(name)

@@ -220,3 +220,16 @@ def test_topk_needs_error_feedback_and_the_all_gather_pattern():
     ]:
         with pytest.raises(ValueError, match=message):
             DiLoCoConfig(**{**topk, **change})
+
+
+def test_error_feedback_decay_is_in_zero_one_and_keeps_the_default_fingerprint():
+    base = DiLoCoConfig(compression="sign", error_feedback=True)
+    assert DiLoCoConfig(compression="sign", error_feedback=True, error_feedback_decay=1.0).fingerprint() == (
+        base.fingerprint()
+    )
+    assert DiLoCoConfig(compression="sign", error_feedback=True, error_feedback_decay=0.95).fingerprint() != (
+        base.fingerprint()
+    )
+    for value, message in [(0.0, "must be > 0"), (1.5, "must be <= 1"), (float("nan"), "must be a finite number")]:
+        with pytest.raises(ValueError, match=f"error_feedback_decay {message}"):
+            DiLoCoConfig(error_feedback_decay=value)

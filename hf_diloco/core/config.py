@@ -98,6 +98,7 @@ class DiLoCoConfig:
         compression_scale_dtype (`str`): dtype of the per-block scales.
         topk_density (`float`): with `compression: topk`, the share of each 4096-value chunk sent (its largest).
         error_feedback (`bool`): add what quantization dropped to the next pseudo-gradient.
+        error_feedback_decay (`float`): β in (0, 1], what the kept residual is multiplied by before it is added.
         entropy_coding (`bool`): deflate the encoded payload before it crosses workers (lossless, fewer bytes).
         exchange_pattern (`str`): `reduce_scatter` (quantize, average, requantize, all-gather) or `all_gather`
             (every worker's quantized vector to every worker: one quantization, same bytes for 2 workers).
@@ -216,6 +217,14 @@ class DiLoCoConfig:
     )
     error_feedback: bool = field(
         default=False, metadata={"help": "Carry the quantization residual into the next pseudo-gradient."}
+    )
+    error_feedback_decay: float = field(
+        default=1.0,
+        metadata={
+            "help": "beta in (0, 1]: with error_feedback, the kept residual is multiplied by beta before it is added "
+            "to the next pseudo-gradient (SparseLoCo: e <- beta e + delta; send Q(e); e <- e - Q(e)). 1 keeps all of "
+            "it."
+        },
     )
     entropy_coding: bool = field(
         default=False,
@@ -430,6 +439,7 @@ class DiLoCoConfig:
         _check_int("outer_lr_total_rounds", self.outer_lr_total_rounds, minimum=0)
         _check_float("outer_lr_final_fraction", self.outer_lr_final_fraction, low=0.0, high=1.0)
         _check_float("outer_momentum", self.outer_momentum, low=0.0, high=1.0, high_open=True)
+        _check_float("error_feedback_decay", self.error_feedback_decay, low=0.0, high=1.0, low_open=True)
         _check_float("merge_alpha", self.merge_alpha, low=0.0, high=1.0)
         _check_float("sync_timeout_seconds", self.sync_timeout_seconds, low=0.0, low_open=True)
         _check_float("robust_clip_factor", self.robust_clip_factor, low=0.0)
@@ -547,6 +557,7 @@ class DiLoCoConfig:
             "max_skipped_rounds": 3,
             "first_round_factor": 10.0,
             "topk_density": 1 / 64,
+            "error_feedback_decay": 1.0,
             "round_policy": "steps",
             "outer_lr_schedule": "constant",
             "outer_lr_warmup_rounds": 0,

@@ -129,6 +129,7 @@ class DiLoCo:
             self.topology.num_workers,
             per_fragment_stats=config.num_fragments > 1,
             worker=self.worker,
+            residual_decay=config.error_feedback_decay,
         )
         self.overlap = make_overlap(config, self.rounds, self.topology.num_workers)
         # Every fragment's sent vector and average may be held for a round (delayed, eager), and a pair is being made.

@@ -190,6 +190,7 @@ class RoundKeeper:
         workers: M.
         per_fragment_stats: keep `fragment{p}_*` counters (more than one fragment).
         worker: the data-parallel ranks of this worker, which decide every round together.
+        residual_decay: `error_feedback_decay`, β: the kept residual is β times what the exchange did not send.
     """
 
     def __init__(
@@ -202,6 +203,7 @@ class RoundKeeper:
         workers: int,
         per_fragment_stats: bool,
         worker: Worker,
+        residual_decay: float = 1.0,
     ):
         self.stats = stats
         self.guard = guard
@@ -211,6 +213,7 @@ class RoundKeeper:
         self.workers = workers
         self.per_fragment_stats = per_fragment_stats
         self.worker = worker
+        self.residual_decay = residual_decay
 
     def apply(self, fragment: Fragment, flight: InFlight) -> RoundRecord:
         """Wait for the round's exchange and take the outer step on θg unless the average is rejected."""
@@ -251,6 +254,9 @@ class RoundKeeper:
         fragment.residual = result.residual
         if result.residual is not None and flight.scale not in (0.0, 1.0):
             fragment.residual.div_(flight.scale)  # in place: a residual is as long as the fragment
+        if result.residual is not None and self.residual_decay != 1.0:
+            # Kept decayed (β e), so the next pseudo-gradient and a checkpoint take it as it is.
+            fragment.residual.mul_(self.residual_decay)
         if result.choice is not None:
             self.stats.lowrank_rank = result.choice["rank"]
             self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]
