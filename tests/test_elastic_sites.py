@@ -4,12 +4,14 @@ every exchange ran with both, the start-up line says the run is elastic and the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,32 @@ TORCHRUN = Path(sys.executable).parent / "torchrun"
 SITES = ["site-a", "site-b"]
 
 
+def site_environment(**variables: str) -> dict[str, str]:
+    """The environment of a site launched on its own: this checkout, one thread, no launcher's rank variables."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **variables}
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    return env
+
+
+@contextlib.contextmanager
+def lighthouse_and_sites(env: dict[str, str]) -> Iterator[tuple[int, list[subprocess.Popen]]]:
+    """A Lighthouse on a free port, and a list the caller adds its sites' processes to; on the way out every one
+    still running is killed, the Lighthouse last."""
+    port = free_port()
+    command = [str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "60000", "--bind", f"127.0.0.1:{port}"]
+    lighthouse = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    processes: list[subprocess.Popen] = []
+    try:
+        time.sleep(1.0)
+        yield port, processes
+    finally:
+        for process in [*processes, lighthouse]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def run_sites(
     tmp_path: Path,
     die_at: dict[str, int] | None = None,
@@ -34,16 +62,8 @@ def run_sites(
     """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step; `variables` go to
     their environment; with `ranks` > 1 each site is a torchrun of that many data-parallel ranks), then stop the
     Lighthouse; their exit codes and logs."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **variables}
-    env["ROUND_POLICY"] = round_policy
-    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    command = [str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "60000", "--bind", f"127.0.0.1:{port}"]
-    lighthouse = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    sites = []
-    try:
-        time.sleep(1.0)
+    env = site_environment(**variables, ROUND_POLICY=round_policy)
+    with lighthouse_and_sites(env) as (port, sites):
         for slot, site in enumerate(SITES):
             launcher = [sys.executable]
             if ranks > 1:
@@ -54,11 +74,6 @@ def run_sites(
             log = (tmp_path / f"{site}.log").open("a")
             sites.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
         codes = [process.wait(timeout=240) for process in sites]
-    finally:
-        for process in [*sites, lighthouse]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
     return codes, {site: (tmp_path / f"{site}.log").read_text() for site in SITES}
 
 
@@ -142,15 +157,8 @@ def test_a_lost_trainer_site_restarted_fresh_heals_and_its_trainer_jumps_to_the_
     the new site-b heartbeats to the Lighthouse). The new site-b heals as it joins, at site-a's next exchange: its
     Trainer starts at the job's step, reads the batches an uninterrupted run reads at those steps, ends at max_steps
     with site-a, on the same learning rate, and with the same θg."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
-    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(variable, None)
-    command = [str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "60000", "--bind", f"127.0.0.1:{port}"]
-    lighthouse = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    processes = []
-    try:
-        time.sleep(1.0)
+    env = site_environment()
+    with lighthouse_and_sites(env) as (port, processes):
         processes.append(_start_heal_site(port, "site-a", 0, "wait", tmp_path, env))
         processes.append(_start_heal_site(port, "site-b", 1, "die", tmp_path, env))
         assert processes[1].wait(timeout=240) == 3
@@ -161,11 +169,6 @@ def test_a_lost_trainer_site_restarted_fresh_heals_and_its_trainer_jumps_to_the_
             time.sleep(0.2)
         (tmp_path / "rejoined").touch()  # site-a goes on: the Lighthouse now waits for the new site-b too
         codes = [processes[0].wait(timeout=240), processes[2].wait(timeout=240)]
-    finally:
-        for process in [*processes, lighthouse]:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
     logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
     assert codes == [0, 0], logs
     a = torch.load(tmp_path / "site-a-wait.pt", weights_only=False)

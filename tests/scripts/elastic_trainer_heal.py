@@ -22,6 +22,7 @@ from transformers import TrainerCallback, default_data_collator
 
 from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.engine_common import cpu_trainer_args, tiny_llama
+from tests.scripts.elastic_trainer_site import site_membership
 
 SAMPLES, MAX_STEPS = 32, 12
 
@@ -60,13 +61,7 @@ def main() -> None:
             inner_steps=2,
             outer_lr=1.0,
             outer_momentum=0.0,
-            lighthouse=lighthouse,
-            site=site,
-            site_host="127.0.0.1",
-            min_workers=1,
-            start_workers=2,
-            min_workers_timeout=60,
-            membership_sync_timeout=20,
+            **site_membership(lighthouse, site),
         )
     )
     ids = torch.randint(0, 128, (SAMPLES, 16), generator=torch.Generator().manual_seed(slot))

@@ -32,6 +32,20 @@ class DieAtStep(TrainerCallback):
             os._exit(3)
 
 
+def site_membership(lighthouse: str, site: str) -> dict:
+    """The membership of a test site: its Lighthouse and name, on loopback; the job starts with two sites, and a
+    site left alone trains on."""
+    return dict(
+        lighthouse=lighthouse,
+        site=site,
+        site_host="127.0.0.1",
+        min_workers=1,
+        start_workers=2,
+        min_workers_timeout=60,
+        membership_sync_timeout=20,
+    )
+
+
 def main() -> None:
     lighthouse, site, slot, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
     callbacks = [DieAtStep(int(sys.argv[5]))] if len(sys.argv) > 5 else []
@@ -43,13 +57,7 @@ def main() -> None:
             dataloader_pin_memory=False,
             inner_steps=2,
             data_parallel_per_worker=int(os.environ.get("DATA_PARALLEL", "1")),
-            lighthouse=lighthouse,
-            site=site,
-            site_host="127.0.0.1",
-            min_workers=1,
-            start_workers=2,
-            min_workers_timeout=60,
-            membership_sync_timeout=20,
+            **site_membership(lighthouse, site),
             round_policy=os.environ.get("ROUND_POLICY", "steps"),
             **(
                 {"save_strategy": "steps", "save_steps": int(os.environ["SAVE_STEPS"])}
