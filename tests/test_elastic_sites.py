@@ -180,7 +180,7 @@ def test_a_lost_trainer_site_restarted_fresh_heals_and_its_trainer_jumps_to_the_
     # step there: the steps between were never trained, and each step read the batch of its place in the epoch.
     steps = sorted(b["seen"])
     healed_at = steps[0] - 1
-    assert steps == list(range(healed_at + 1, 13)) and healed_at >= 6, steps
+    assert steps == list(range(healed_at + 1, 13)) and healed_at >= 4, steps  # the job was past step 3
     for step in steps:
         assert b["seen"][step] == b["order"][step - 1], (step, b["seen"], b["order"])
     assert f"continues at the job's step {healed_at}" in logs["site-b-rejoin.log"], logs["site-b-rejoin.log"]
