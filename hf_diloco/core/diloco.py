@@ -143,14 +143,7 @@ class DiLoCo:
         if config.lowrank_rank:
             self.stats.lowrank_rank, self.stats.compression_bits = config.lowrank_rank, CODEC_BITS[config.compression]
         self.clock = RoundClock()  # each inner step's compute time and the engine's; read by the round policy
-        self.round_policy = make_round_policy(
-            config.round_policy,
-            config.inner_steps,
-            config.num_fragments,
-            config.sync_delay,
-            self.topology,
-            elastic=membership is not None,
-        )
+        self.round_policy = make_round_policy(config, self.topology, elastic=membership is not None)
         self._closed = False
         self.elastic = None if membership is None else ElasticRounds(self, membership)
         if self.elastic is not None:

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .config import DiLoCoConfig
 from .fragments import fragments_launched_at, steps_since_launch
 from .topology import Topology, gather_rows
 
@@ -350,9 +351,10 @@ class BalancedRounds(_RoundPolicy):
 RoundPolicy = StepRounds | BalancedRounds  # what `make_round_policy` returns
 
 
-def make_round_policy(
-    policy: str, inner_steps: int, num_fragments: int, sync_delay: int, topology: Topology, elastic: bool = False
-) -> RoundPolicy:
-    if policy == "balanced":
-        return BalancedRounds(inner_steps, num_fragments, sync_delay, topology, weighs_in_exchange=elastic)
-    return StepRounds(inner_steps, num_fragments)
+def make_round_policy(config: DiLoCoConfig, topology: Topology, elastic: bool = False) -> RoundPolicy:
+    """The config's `round_policy` over these workers (`elastic`: the steps travel in the exchange)."""
+    if config.round_policy == "balanced":
+        return BalancedRounds(
+            config.inner_steps, config.num_fragments, config.sync_delay, topology, weighs_in_exchange=elastic
+        )
+    return StepRounds(config.inner_steps, config.num_fragments)
