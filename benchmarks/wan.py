@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib.util
 import json
 import math
 import os
@@ -825,10 +826,18 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "summary": summarize(runs, spec),
         "notes": NOTES,
     }
+    write_report(out_dir, report)
+    return report
+
+
+def write_report(out_dir: Path, report: dict) -> None:
+    """JSON and markdown first, then the plot: a missing plotting library must not lose a finished sweep."""
     (out_dir / "wan_results.json").write_text(json.dumps(report, indent=1))
     write_markdown(out_dir / "wan_results.md", report)
-    plot(out_dir / "wan_utilization.png", report)
-    return report
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"matplotlib is not installed: no {out_dir / 'wan_utilization.png'} (the results are in {out_dir})")
+    else:
+        plot(out_dir / "wan_utilization.png", report)
 
 
 def main(argv: list[str] | None = None) -> int:
