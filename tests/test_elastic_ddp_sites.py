@@ -70,9 +70,9 @@ def test_a_site_of_two_ranks_lost_and_restarted_heals_both_ranks_and_ends_identi
     job = DdpSites(tmp_path, heartbeat_ms=2000, join_timeout_ms=5000)
     try:
         job.start_site("site-a", 0, str(WAIT_AT))
-        job.start_site("site-b", 1)
-        job.wait_for_ranks("site-b", lambda e: e["kind"] == "step" and e["step"] >= 3)
-        job.kill_site("site-b")  # both ranks and their torchrun, mid-run
+        job.start_site("site-b", 1, "3")  # held at step 3, mid-round, until it is killed there
+        job.wait_for_ranks("site-b", lambda e: e["kind"] == "waiting")
+        job.kill_site("site-b")  # both ranks and their torchrun, mid-run: site-a's exchanges at 4 and 6 are alone
         killed_at = time.monotonic()
         job.wait_for_ranks("site-a", lambda e: e["kind"] == "waiting")
         # The survivor has trained on alone up to WAIT_AT, without a restart.
