@@ -76,7 +76,7 @@ SLOW_TESTS = {
     "test_cpu_dry_run_of_two_workers_writes_passing_json",
     # Elastic sites of two DDP ranks each, one lost and restarted (four torchrun ranks and their restarts).
     "test_a_site_of_two_ranks_lost_and_restarted_heals_both_ranks_and_ends_identical",
-    "test_a_site_that_loses_one_rank_leaves_whole_and_the_other_site_trains_on",
+    "test_a_site_that_breaks_mid_exchange_leaves_whole_and_the_other_site_trains_on",
     "test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model",
     # `hf-diloco pretrain` from a planned YAML (a subprocess run of the main job).
     "test_the_plan_starts_hf_diloco_pretrain_on_a_tiny_model",

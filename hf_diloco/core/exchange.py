@@ -140,6 +140,14 @@ class ScheduleTag:
         return f"{what} of fragment {fragment} at {self.unit} {position}"
 
 
+def _unmasked(error: BaseException) -> BaseException:
+    """The collective's own error. torch's logging wrapper of `dist.*` collectives, handling a failed collective on a
+    group torch.distributed did not create (torchft's elastic groups), raises its own ValueError from `get_backend`,
+    which would hide the gloo error that says what happened."""
+    masked = isinstance(error, ValueError) and "is not initialized in the world group map" in str(error)
+    return error.__context__ if masked and error.__context__ is not None else error
+
+
 class PendingExchange:
     """A launched exchange. Holds its buffers (inside the closure of the future) until the work is done."""
 
@@ -161,14 +169,17 @@ class PendingExchange:
                 f"{self.description} did not finish within sync_timeout_seconds={self.timeout_seconds:g}s. A peer "
                 "worker has probably died or its link is down; restart from the latest checkpoint."
             ) from error
-        except RuntimeError as error:  # gloo: a peer closed the connection, or no answer within the group's timeout
-            raise OuterSyncError(
+        except Exception as error:
+            raise self._failure(_unmasked(error)) from error
+
+    def _failure(self, error: BaseException) -> OuterSyncError:
+        if isinstance(error, RuntimeError):  # gloo: a peer closed the connection, or no answer within the timeout
+            return OuterSyncError(
                 f"{self.description} failed: {error}. A peer worker has probably died, stopped or lost its link "
                 f"(collectives give up after sync_timeout_seconds={self.timeout_seconds:g}s); restart from the latest "
                 "checkpoint."
-            ) from error
-        except Exception as error:
-            raise OuterSyncError(f"{self.description} failed: {error}") from error
+            )
+        return OuterSyncError(f"{self.description} failed: {error}")
 
     @classmethod
     def run_inline(

@@ -73,8 +73,9 @@ class TorchftMembership:
         start_workers: the first group waits (with the same bound) for this many workers, so that a job starts with
             its whole membership instead of healing late starters one by one.
         min_workers_timeout: the bound of those waits, in seconds.
-        sync_timeout: the bound of one collective, commit or state transfer, in seconds: a member silent for longer
-            is dropped from the exchange (the engine retries among the others).
+        sync_timeout: the bound of one collective or state transfer, in seconds: a member silent for longer is
+            dropped from the exchange (the engine retries among the others). The site's commit vote waits twice as
+            long, since one of its ranks may reach it a whole `sync_timeout` after another.
         quorum_timeout: the bound of one quorum, in seconds; it must exceed the Lighthouse's `join_timeout_ms` and
             the time between two exchanges (a worker that joins waits at most that long for the others' next one).
         connect_timeout: the bound of reaching the Lighthouse and a peer's manager, in seconds.
@@ -292,7 +293,10 @@ class TorchftMembership:
         self.manager.report_error(error)
 
     def end_round(self) -> bool:
-        return self.manager.should_commit()
+        # The vote waits for every rank of the site. A rank whose peer died fails its exchange at once, while its
+        # sibling, exchanging with a peer that is alive but silent, fails only at the collective's bound
+        # (`sync_timeout`); the vote must outwait that lag, or the fast rank gives up on a sibling about to vote.
+        return self.manager.should_commit(timeout=timedelta(seconds=2 * self._timeouts[0]))
 
     def close(self) -> None:
         if self.manager is not None:
