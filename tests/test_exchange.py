@@ -17,6 +17,7 @@ from hf_diloco.core.exchange import (
     OuterExchange,
     OuterGroup,
     OuterSyncError,
+    PendingExchange,
     deflate_payload,
     exchange_point_to_point,
     inflate_payload,
@@ -501,6 +502,67 @@ def _silent_peer_entry(rank: int, port: int, queue) -> None:
     result = _silent_peer(rank, 2)
     queue.put(result)
     os._exit(0)  # the outer-sync thread may still be blocked in gloo: do not wait for it
+
+
+def test_a_peer_lost_on_a_torchft_group_is_named_by_gloos_own_error():
+    """On a group torch.distributed did not create (torchft's, which every elastic exchange and join runs on), in a
+    process with a default group (every site launched by torchrun), torch's logging wrapper answers a failed collective
+    with a ValueError of its own ("not initialized in the world group map"); the worker must see, and report to
+    torchft, gloo's error that a peer was lost."""
+    import torch.multiprocessing as mp
+
+    from tests.dist_utils import free_port
+
+    pytest.importorskip("torchft", reason="torchft's groups: pip install 'hf_diloco[elastic]'")
+    port, context = free_port(), mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    sites = [context.Process(target=_lost_peer_site, args=(rank, port, queue)) for rank in range(2)]
+    for site in sites:
+        site.start()
+    outcome = queue.get()
+    for site in sites:
+        site.join(timeout=60)
+    assert outcome["unmasked"] == "RuntimeError", outcome
+    assert outcome["raw"] == "ValueError", outcome  # torch's wrapper still masks it: the unmasking is still needed
+    message = outcome["message"]
+    assert "outer sync of fragment 0 failed: [" in message and "A peer worker has probably died" in message, message
+    assert "world group map" not in message, message
+
+
+def _lost_peer_site(rank: int, port: int, queue) -> None:
+    """Site `rank` of two on a torchft gloo group: site 1 leaves at once; site 0 then runs a collective on it."""
+    import datetime
+
+    import torch.distributed as dist
+    from torchft import ProcessGroupGloo
+
+    from hf_diloco.core.exchange import unmasked_collective_error
+    from tests.dist_utils import free_port
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False) if rank == 0 else None
+    own = dist.TCPStore("127.0.0.1", free_port(), is_master=True, world_size=1)
+    dist.init_process_group("gloo", store=own, rank=0, world_size=1)  # this site's default group, as under torchrun
+    group = ProcessGroupGloo(timeout=datetime.timedelta(seconds=20))
+    group.configure(f"127.0.0.1:{port}/lost-peer", f"site-{rank}", rank, 2)
+    if rank == 1:
+        os._exit(0)  # its connection closes
+    pending = PendingExchange.run_inline(
+        lambda: dist.all_reduce(torch.ones(4), group=group.parent), "outer sync of fragment 0", 20
+    )
+    try:
+        pending.wait()
+        queue.put({"message": "no error"})
+    except OuterSyncError as error:
+        cause = error.__cause__
+        queue.put(
+            {
+                "message": str(error),
+                "raw": type(cause).__name__,
+                "unmasked": type(unmasked_collective_error(cause)).__name__,
+            }
+        )
+    del store
+    os._exit(0)
 
 
 def _mismatched_starts(rank: int, world: int, cases: list[str]) -> list[str]:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import load_shared_state, shared_state
-from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange
+from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange, unmasked_collective_error
 from .fragment import Fragment, InFlight
 from .settings_check import check_same_published
 
@@ -377,8 +377,11 @@ class ElasticRounds:
             return True
         try:
             dist.all_reduce(torch.zeros(1, dtype=torch.int64), group=view.group)
-        except RuntimeError as error:
-            self.membership.report_error(error)
+        except Exception as error:
+            cause = unmasked_collective_error(error)
+            if not isinstance(cause, RuntimeError):  # not a peer lost: a defect, raised as it is
+                raise
+            self.membership.report_error(cause)
             return False
         self.engine.stats.bytes_sent += (view.size - 1) * 8
         return True

@@ -140,7 +140,7 @@ class ScheduleTag:
         return f"{what} of fragment {fragment} at {self.unit} {position}"
 
 
-def _unmasked(error: BaseException) -> BaseException:
+def unmasked_collective_error(error: BaseException) -> BaseException:
     """The collective's own error. torch's logging wrapper of `dist.*` collectives, handling a failed collective on a
     group torch.distributed did not create (torchft's elastic groups), raises its own ValueError from `get_backend`,
     which would hide the gloo error that says what happened."""
@@ -170,7 +170,7 @@ class PendingExchange:
                 "worker has probably died or its link is down; restart from the latest checkpoint."
             ) from error
         except Exception as error:
-            raise self._failure(_unmasked(error)) from error
+            raise self._failure(unmasked_collective_error(error)) from error
 
     def _failure(self, error: BaseException) -> OuterSyncError:
         if isinstance(error, RuntimeError):  # gloo: a peer closed the connection, or no answer within the timeout
