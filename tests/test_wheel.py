@@ -56,6 +56,7 @@ def installed(wheel, tmp_path_factory) -> Path:
     _run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
         venv,
+        _clean_env(),  # with the checkout on PYTHONPATH, pip would take hf_diloco as installed already
     )
     return venv
 
