@@ -477,22 +477,28 @@ def _silent_peer(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_a_peer_that_stops_answering_gives_a_clear_error_not_a_hang():
+    outcome = _first_outcome_of_two(_silent_peer_entry)
+    assert "outer sync" in outcome["message"] and "peers [0, 1]" in outcome["message"], outcome
+    assert "sync_timeout_seconds" in outcome["message"] or "failed" in outcome["message"]
+    assert outcome["seconds"] < 15
+
+
+def _first_outcome_of_two(target) -> dict:
+    """`target(rank, port, queue)` on two spawned processes (each sets up its own groups); the first outcome either
+    puts on the queue."""
     import torch.multiprocessing as mp
 
     from tests.dist_utils import free_port
 
-    port = free_port()
-    context = mp.get_context("spawn")
+    port, context = free_port(), mp.get_context("spawn")
     queue = context.SimpleQueue()
-    processes = [context.Process(target=_silent_peer_entry, args=(rank, port, queue)) for rank in range(2)]
+    processes = [context.Process(target=target, args=(rank, port, queue)) for rank in range(2)]
     for process in processes:
         process.start()
     outcome = queue.get()
     for process in processes:
         process.join(timeout=60)
-    assert "outer sync" in outcome["message"] and "peers [0, 1]" in outcome["message"], outcome
-    assert "sync_timeout_seconds" in outcome["message"] or "failed" in outcome["message"]
-    assert outcome["seconds"] < 15
+    return outcome
 
 
 def _silent_peer_entry(rank: int, port: int, queue) -> None:
@@ -512,19 +518,8 @@ def test_a_peer_lost_on_a_torchft_group_is_named_by_gloos_own_error():
     process with a default group (every site launched by torchrun), torch's logging wrapper answers a failed collective
     with a ValueError of its own ("not initialized in the world group map"); the worker must see, and report to
     torchft, gloo's error that a peer was lost."""
-    import torch.multiprocessing as mp
-
-    from tests.dist_utils import free_port
-
     pytest.importorskip("torchft", reason="torchft's groups: pip install 'hf_diloco[elastic]'")
-    port, context = free_port(), mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    sites = [context.Process(target=_lost_peer_site, args=(rank, port, queue)) for rank in range(2)]
-    for site in sites:
-        site.start()
-    outcome = queue.get()
-    for site in sites:
-        site.join(timeout=60)
+    outcome = _first_outcome_of_two(_lost_peer_site)
     assert outcome["unmasked"] == "RuntimeError", outcome
     assert outcome["raw"] == "ValueError", outcome  # torch's wrapper still masks it: the unmasking is still needed
     message = outcome["message"]
