@@ -53,8 +53,17 @@ METHODS: dict[str, dict | None] = {
     ),
 }
 
-# Keys of a method spec that set the training loop rather than DiLoCoConfig, so DDP can be tuned the same way.
-RUN_OVERRIDES = {"lr": float, "ddp_steps": int}
+
+# Keys of a method spec that set the training loop rather than DiLoCoConfig, so DDP can be tuned the same way:
+# `lr` the inner learning rate, `ddp_steps` a DDP warm start, `inner` the inner optimizer (`adamw` or `muon`, the
+# front-ends' `inner_optimizer`).
+def _inner_optimizer_name(text: str) -> str:
+    if text not in ("adamw", "muon"):
+        raise ValueError(f"inner={text!r}: choose adamw or muon")
+    return text
+
+
+RUN_OVERRIDES = {"lr": float, "ddp_steps": int, "inner": _inner_optimizer_name}
 
 # The token budgets of the loss comparisons, as run flags: `short` 0.6 tokens per parameter of the default 1.38 M
 # model; `long` 7.5 per parameter of a 229 k model (hidden 64, 4 layers, a 1024-token vocabulary, 600 corpus files),
@@ -116,6 +125,7 @@ def parse_method(spec: str) -> tuple[str, dict | None, int | None]:
     fields = None if METHODS[name] is None else dict(METHODS[name])
     for key, text in _override_items(spec):
         if key in RUN_OVERRIDES:
+            RUN_OVERRIDES[key](text)  # a bad value stops the benchmark before any run starts
             continue
         if fields is None or key not in DiLoCoConfig.__dataclass_fields__:
             raise ValueError(f"{spec!r}: {key!r} is not a DiLoCoConfig field of a DiLoCo method")
@@ -268,7 +278,7 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
     data = torch.load(Path(folder) / "data.pt")
     spec = {"config": {**DEFAULT_MODEL_CONFIG, **json.loads(args.model)}} if args.model else None
     model = build_model(spec, data["vocab"], *data["ids"], seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    optimizer = inner_optimizer(model, getattr(args, "inner", "adamw"), args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(args.steps, args.warmup))
     engine, counter, trained = None, {"bytes": 0}, model
     _, fields, _ = parse_method(method)
@@ -330,6 +340,20 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         # An adaptive policy's per-sync choices (step, fragment, rank, codec, why): what its bytes and loss came from.
         "policy_choices": [] if engine is None else list(engine.exchange.choices),
     }
+
+
+def inner_optimizer(model: torch.nn.Module, name: str, lr: float) -> torch.optim.Optimizer:
+    """The benchmarks' inner optimizer: AdamW (weight decay 0.1 on every parameter, betas 0.9 / 0.95), or `muon`, the
+    front-ends' `inner_optimizer: muon` (Muon for the block stack's matrices, that AdamW for the rest)."""
+    adamw = {"betas": (0.9, 0.95)}
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, **adamw)
+    if name == "muon":
+        from hf_diloco.integrations.inner_optimizer import build_muon_with_adamw
+
+        names = [name for name, _ in model.named_parameters()]
+        return build_muon_with_adamw(model, lr, 0.1, decay_names=names, adamw_kwargs=adamw)
+    raise ValueError(f"inner={name!r}: choose adamw or muon")
 
 
 def cosine_schedule(total: int, warmup: int):

@@ -69,3 +69,34 @@ def test_report_is_written_without_matplotlib(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "run.json").read_text())["results"] == [ddp]
     assert (tmp_path / "run.md").exists() and not (tmp_path / "run.png").exists()
     assert "matplotlib is not installed: no " in capsys.readouterr().out
+
+
+def test_the_inner_optimizer_is_a_run_setting_checked_before_any_run():
+    assert common.run_overrides("diloco_h50:inner=muon,outer_lr=1.0@2") == {"inner": "muon"}
+    assert common.parse_method("ddp:inner=muon@2") == ("ddp", None, 2)
+    with pytest.raises(ValueError, match="inner='sgd': choose adamw or muon"):
+        common.parse_method("ddp:inner=sgd@2")
+
+
+def test_the_benchmarks_muon_takes_the_block_matrices_and_adamw_the_rest():
+    """`inner=muon` is the front-ends' `inner_optimizer: muon`: Muon for each 2-D weight of the block stack, AdamW (the
+    benchmarks' betas, weight decay 0.1 on every parameter) for embeddings, norms and head."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    optimizer = common.inner_optimizer(model, "muon", 0.002)
+    names = {id(param): name for name, param in model.named_parameters()}
+    muon_group, *adamw_groups = optimizer.param_groups  # Muon's group first (MuonWithAdamW)
+    muon = [names[id(p)] for p in muon_group["params"]]
+    adamw = [names[id(p)] for group in adamw_groups for p in group["params"]]
+    expected_muon = [n for n, p in model.named_parameters() if n.startswith("model.layers.") and p.dim() == 2]
+    assert muon == expected_muon and len(muon) == 2 * 7
+    assert "ns_steps" in muon_group and all("betas" in group for group in adamw_groups)
+    assert sorted(adamw) == sorted(n for n in names.values() if n not in expected_muon)
+    assert all(group["weight_decay"] == 0.1 for group in optimizer.param_groups if group["params"])
+    assert all(group["betas"] == (0.9, 0.95) for group in adamw_groups)
+    plain = common.inner_optimizer(model, "adamw", 0.002)
+    assert isinstance(plain, torch.optim.AdamW) and plain.defaults["weight_decay"] == 0.1
