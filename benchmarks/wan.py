@@ -59,8 +59,8 @@ METHODS = ("ddp", "diloco", "streaming", "diloco_x", "local")
 DILOCO_METHODS = ("diloco", "streaming", "diloco_x")
 METHOD_LABELS = {
     "ddp": "DDP (all-reduce every step)",
-    "diloco": "DiLoCo (H={H}, fp32, blocking)",
-    "streaming": "Streaming DiLoCo (P={P}, tau=1, fp4)",
+    "diloco": "DiLoCo (H={H}, {diloco_codec}, blocking)",
+    "streaming": "Streaming DiLoCo (P={P}, tau=1, {streaming_codec})",
     "diloco_x": "DiLoCoX-style (eager overlap, adaptive PowerSGD rank <= {R} + codec >= fp4, error feedback)",
     "local": "local (no communication)",
 }
@@ -115,6 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="Deflate the fp4 payloads of streaming and diloco_x (DiLoCoConfig.entropy_coding).",
     )
+    parser.add_argument(
+        "--codec",
+        choices=("none", "bf16", "fp4"),
+        help="Codec of diloco and streaming (default: none for diloco, fp4 for streaming).",
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ddp-max-seconds", type=float, help="Wall-clock limit of one DDP timed loop (default 80).")
@@ -146,17 +151,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _codec_label(codec: str) -> str:
+    return "fp32" if codec == "none" else codec
+
+
 def diloco_config(method: str, spec: dict):
     """The `DiLoCoConfig` of a DiLoCo method (None for ddp/local)."""
     from hf_diloco import DiLoCoConfig
 
     common = {"inner_steps": spec["inner_steps"], "sync_timeout_seconds": spec["run_timeout"]}
+    codec = spec.get("codec")
     if method == "diloco":
-        return DiLoCoConfig(num_fragments=1, sync_delay=0, overlap="streaming", compression="none", **common)
+        return DiLoCoConfig(num_fragments=1, sync_delay=0, overlap="streaming", compression=codec or "none", **common)
     common["entropy_coding"] = spec.get("entropy_coding", False)
     if method == "streaming":
         return DiLoCoConfig(
-            num_fragments=spec["fragments"], sync_delay=1, overlap="streaming", compression="fp4", **common
+            num_fragments=spec["fragments"], sync_delay=1, overlap="streaming", compression=codec or "fp4", **common
         )
     if method == "diloco_x":
         return DiLoCoConfig(
@@ -736,6 +746,7 @@ SPEC_KEYS = (
     "fragments",
     "lowrank_rank",
     "entropy_coding",
+    "codec",
     "hidden",
     "layers",
     "batch_size",
@@ -818,7 +829,14 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "command": command_line("wan"),
         "settings": spec | {"rates": args.rate_list, "methods": args.method_list},
         "method_labels": {
-            m: METHOD_LABELS[m].format(H=args.inner_steps, P=args.fragments, R=args.lowrank_rank) for m in METHODS
+            m: METHOD_LABELS[m].format(
+                H=args.inner_steps,
+                P=args.fragments,
+                R=args.lowrank_rank,
+                diloco_codec=_codec_label(args.codec or "none"),
+                streaming_codec=_codec_label(args.codec or "fp4"),
+            )
+            for m in METHODS
         },
         "host": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
         "wall_seconds": time.time() - started,
