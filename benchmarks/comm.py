@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         default=["ddp", "diloco", "streaming_fp4"],
-        help=f"Methods from {sorted(METHODS)}, each optionally `:key=value,...` (DiLoCoConfig overrides, and `lr` for "
-        "this method's inner learning rate instead of --lr) and `@M` (its number of workers, default --workers).",
+        help=f"Methods from {sorted(METHODS)}, each optionally `:key=value,...` (DiLoCoConfig overrides, `lr` for "
+        "this method's inner learning rate instead of --lr, `inner=muon` for Muon inside, `ddp_steps` for a DDP warm "
+        "start) and `@M` (its number of workers, default --workers).",
     )
     add_run_arguments(parser)
     parser.add_argument("--out", default=f"{RESULTS_DIR}/comm", help="Writes OUT.json, OUT.md and OUT.png.")
