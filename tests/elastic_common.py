@@ -3,8 +3,10 @@ with an event log: what tests/test_elastic.py and tests/test_elastic_balanced.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -19,16 +21,56 @@ ROOT = Path(__file__).resolve().parent.parent
 STEPS, H = 32, 4  # the worker's defaults here: inner steps of a run, and H
 
 
-class ElasticJob:
-    """A Lighthouse in this process and worker processes against it, each with an event log in `out`."""
+class LighthouseProcess:
+    """torchft's `torchft_lighthouse` command in its own process on a fixed port, so that it can be killed and started
+    again at the same address (a Lighthouse in the test's process cannot: its open connections outlive `shutdown`)."""
 
-    def __init__(self, out: Path, heartbeat_ms: int = 2000, join_timeout_ms: int = 5000):
+    def __init__(self, out: Path, heartbeat_ms: int, join_timeout_ms: int):
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port, self.out = probe.getsockname()[1], out
+        probe.close()
+        self.argv = [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"[::]:{self.port}",
+                     "--min_replicas", "1", "--join_timeout_ms", str(join_timeout_ms),
+                     "--heartbeat_timeout_ms", str(heartbeat_ms)]  # fmt: skip
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        log = (self.out / "lighthouse.log").open("ab")
+        self.process = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # listening once a connection is accepted
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"the Lighthouse did not listen on port {self.port} within 30 s")
+
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    shutdown = kill
+
+
+class ElasticJob:
+    """A Lighthouse (in this process, or with `lighthouse_process` in its own) and worker processes against it, each
+    with an event log in `out`."""
+
+    def __init__(self, out: Path, heartbeat_ms: int = 2000, join_timeout_ms: int = 5000, lighthouse_process=False):
         from torchft._torchft import LighthouseServer
 
         self.out = out
-        self.lighthouse = LighthouseServer(
-            bind="[::]:0", min_replicas=1, join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=heartbeat_ms
-        )
+        if lighthouse_process:
+            self.lighthouse = LighthouseProcess(out, heartbeat_ms, join_timeout_ms)
+        else:
+            self.lighthouse = LighthouseServer(
+                bind="[::]:0", min_replicas=1, join_timeout_ms=join_timeout_ms, heartbeat_timeout_ms=heartbeat_ms
+            )
         self.processes: dict[str, subprocess.Popen] = {}
         self.started = time.monotonic()
 

@@ -230,3 +230,33 @@ def test_what_elastic_membership_does_not_run_is_refused_before_it_joins(setting
         DiLoCo(model, None, DiLoCoConfig(inner_steps=4, **settings), membership=membership)
     assert named in str(error.value)
     assert membership.manager is None
+
+
+def test_a_lighthouse_killed_and_restarted_at_its_address_leaves_the_job_training(tmp_path):
+    """The Lighthouse process is SIGKILLed after the step-8 exchange and started again at the same address 3 s later:
+    the workers' quorum requests reach the new one (torchft sends one request only, to the Lighthouse that died), no
+    worker leaves, and θg is the reference's with both workers in every round."""
+    job = ElasticJob(tmp_path, lighthouse_process=True)
+    try:
+        args = ["--start_workers", "2", "--min_workers", "2", "--step_seconds", "0.25"]
+        job.start(0, *args)
+        job.start(1, *args)
+        job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == 8)
+        job.lighthouse.kill()
+        killed = time.time()
+        time.sleep(3)
+        job.lighthouse.start()
+        codes = job.finish()
+        assert codes == {"worker0": 0, "worker1": 0}, {name: job.log(name) for name in codes}
+        theta = assert_same_global(job, ["worker0", "worker1"])
+        for replica in ("worker0", "worker1"):
+            seen = exchanges(job, replica)
+            assert sorted(seen) == list(range(H, STEPS + 1, H)), job.log(replica)
+            assert all(entry["contributors"] == 2 and entry["retries"] == 0 for entry in seen.values()), seen
+        after = min(entry["time"] for entry in exchanges(job, "worker0").values() if entry["time"] > killed)
+        assert after - killed >= 3.0  # the next round's quorum waited for the restarted Lighthouse
+        expected = reference({end: [0, 1] for end in range(H, STEPS + 1, H)})
+        for name, value in expected.items():
+            torch.testing.assert_close(theta[name], value, rtol=0, atol=1e-5, msg=name)
+    finally:
+        job.close()

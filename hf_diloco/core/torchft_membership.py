@@ -39,6 +39,9 @@ from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn, check_publis
 logger = logging.getLogger(__name__)
 SECRET_VARIABLE = "HF_DILOCO_JOB_SECRET"
 SECRET_FILE_VARIABLE = "HF_DILOCO_JOB_SECRET_FILE"
+# How long one quorum request waits before it is sent again (a Lighthouse restarted at the same address answers only
+# requests made after it came back); `quorum_timeout` bounds them all.
+QUORUM_ATTEMPT_SECONDS = 10.0
 SETTINGS_KEY = "hf_diloco/settings"  # in each worker's own store: its DiLoCo settings, read by a joiner
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
@@ -165,7 +168,7 @@ class TorchftMembership:
         if self.site_rank > 0:
             self._store = dist.TCPStore(*store_address, is_master=False, timeout=connect_timeout)
         self.earlier_members = sorted({replica.split(":")[0] for replica, _ in members})
-        self._pg = ProcessGroupGloo(timeout=sync_timeout)
+        self._pg = _group_per_quorum_and_step(ProcessGroupGloo)(self._heal, timeout=sync_timeout)
         with _servers_bound_to(self.host):
             self.manager = Manager(
                 pg=self._pg,
@@ -493,21 +496,52 @@ class _RecordingClient:
         self._lighthouse, self._quorum_timeout, self._host = lighthouse, quorum_timeout, host
 
     def _quorum(self, *args: object, **kwargs: object) -> object:
-        try:
-            result = self._client_._quorum(*args, **kwargs)
-        except TimeoutError as error:
-            raise QuorumTimeout(
-                f"No quorum from the Lighthouse {self._lighthouse} within quorum_timeout={self._quorum_timeout:g}s "
-                f"(torchft: {error}). Either the Lighthouse stopped or is unreachable from this worker ({self._host}): "
-                "check that it runs at that address; or fewer than its --min_replicas workers reached it. A restarted "
-                "Lighthouse does not bring back the running workers: restart them, resuming from their last "
-                "checkpoint. Lower quorum_timeout to find out sooner."
-            ) from error
+        # One request to a Lighthouse that dies is never answered, and torchft's Manager does not send it again to a
+        # Lighthouse restarted at the same address: asked again every QUORUM_ATTEMPT_SECONDS, the request reaches
+        # the new one. A request the Lighthouse already holds is replaced by the new one, so asking again is safe.
+        deadline = time.monotonic() + self._quorum_timeout
+        while True:
+            attempt = min(QUORUM_ATTEMPT_SECONDS, max(0.0, deadline - time.monotonic()))
+            try:
+                result = self._client_._quorum(*args, **{**kwargs, "timeout": timedelta(seconds=attempt)})
+                break
+            except TimeoutError as error:
+                if time.monotonic() < deadline:
+                    continue
+                raise QuorumTimeout(
+                    f"No quorum from the Lighthouse {self._lighthouse} within quorum_timeout={self._quorum_timeout:g}s "
+                    f"(torchft: {error}). Either the Lighthouse stopped or is unreachable from this worker "
+                    f"({self._host}): check that it runs at that address; or fewer than its --min_replicas workers "
+                    "reached it. A Lighthouse restarted at the same address within quorum_timeout brings the job back; "
+                    "after that, restart the workers, resuming from their last checkpoint. Lower quorum_timeout to find "
+                    "out sooner."
+                ) from error
         self._sink["replica_ids"], self._sink["heal"] = list(result.replica_ids), bool(result.heal)
+        self._sink["max_step"] = int(result.max_step)
         return result
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._client_, name)
+
+
+def _group_per_quorum_and_step(process_group_class: type) -> type:
+    """torchft's gloo group whose rendezvous keys are named by the quorum's id and its commit count, not the id alone.
+
+    torchft names them `torchft/<quorum id>/<rank>` in the store of the quorum's first member. A restarted Lighthouse
+    numbers its quorums from 1 again, so a later quorum of the same members could meet the keys an earlier one left
+    under the same id and connect to listeners that are gone. Every member of a quorum reads the same commit count
+    (`max_step`) in it, and within one Lighthouse's life ids are not reused, so the pair names each group once."""
+
+    class GroupPerQuorumAndStep(process_group_class):
+        def __init__(self, sink: dict, **kwargs: object):
+            super().__init__(**kwargs)
+            self._sink = sink
+
+        def configure(self, store_addr: str, *args: object, **kwargs: object) -> None:
+            address, _, prefix = store_addr.partition("/")
+            super().configure(f"{address}/{prefix}/step{self._sink.get('max_step', 0)}", *args, **kwargs)
+
+    return GroupPerQuorumAndStep
 
 
 def _resolve(host: str) -> tuple[socket.AddressFamily, str]:
