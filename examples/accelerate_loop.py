@@ -86,13 +86,15 @@ def train(args: argparse.Namespace) -> DiLoCoPlugin:
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
-            step += 1
+            # The plugin's count, not `step += 1`: under elastic membership a site that heals from a live one takes
+            # over the job's step, and the loop ends with the others.
+            step = plugin.inner_step
             if step % 10 == 0 or step == args.max_steps:
                 # Local values only: logging must not become a collective across workers.
                 print(f"[rank {accelerator.process_index}] step {step} loss {loss.item():.4f} {plugin.metrics()}")
             if step == args.save_state_at:
                 accelerator.save_state(Path(args.output_dir) / f"state-{step}")
-            if step == args.max_steps:
+            if step >= args.max_steps:
                 break
 
     plugin.close()  # the model now holds the global parameters theta_g, identical on every rank

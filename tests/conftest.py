@@ -89,6 +89,7 @@ ELASTIC_MODULES = {
     "test_elastic_sites",
     "test_elastic_trust",
     "test_elastic_ddp_sites",
+    "test_elastic_plugin",
 }
 
 
