@@ -530,7 +530,8 @@ def _group_per_quorum_and_step(process_group_class: type) -> type:
     torchft names them `torchft/<quorum id>/<rank>` in the store of the quorum's first member. A restarted Lighthouse
     numbers its quorums from 1 again, so a later quorum of the same members could meet the keys an earlier one left
     under the same id and connect to listeners that are gone. Every member of a quorum reads the same commit count
-    (`max_step`) in it, and within one Lighthouse's life ids are not reused, so the pair names each group once."""
+    (`max_step`) in it, ids are not reused within one Lighthouse's life and the count only grows, so a pair recurs
+    only if a restarted Lighthouse reaches an earlier id again before the job commits another round."""
 
     class GroupPerQuorumAndStep(process_group_class):
         def __init__(self, sink: dict, **kwargs: object):
