@@ -54,15 +54,17 @@ METHODS: dict[str, dict | None] = {
 }
 
 
-# Keys of a method spec that set the training loop rather than DiLoCoConfig, so DDP can be tuned the same way:
-# `lr` the inner learning rate, `ddp_steps` a DDP warm start, `inner` the inner optimizer (`adamw` or `muon`, the
-# front-ends' `inner_optimizer`).
 def _inner_optimizer_name(text: str) -> str:
-    if text not in ("adamw", "muon"):
-        raise ValueError(f"inner={text!r}: choose adamw or muon")
+    from hf_diloco.integrations.inner_optimizer import INNER_OPTIMIZERS
+
+    if text not in INNER_OPTIMIZERS:
+        raise ValueError(f"inner={text!r}: choose {' or '.join(INNER_OPTIMIZERS)}")
     return text
 
 
+# Keys of a method spec that set the training loop rather than DiLoCoConfig, so DDP can be tuned the same way:
+# `lr` the inner learning rate, `ddp_steps` a DDP warm start, `inner` the inner optimizer (`adamw` or `muon`, the
+# front-ends' `inner_optimizer`).
 RUN_OVERRIDES = {"lr": float, "ddp_steps": int, "inner": _inner_optimizer_name}
 
 # The token budgets of the loss comparisons, as run flags: `short` 0.6 tokens per parameter of the default 1.38 M
@@ -346,14 +348,12 @@ def inner_optimizer(model: torch.nn.Module, name: str, lr: float) -> torch.optim
     """The benchmarks' inner optimizer: AdamW (weight decay 0.1 on every parameter, betas 0.9 / 0.95), or `muon`, the
     front-ends' `inner_optimizer: muon` (Muon for the block stack's matrices, that AdamW for the rest)."""
     adamw = {"betas": (0.9, 0.95)}
-    if name == "adamw":
+    if _inner_optimizer_name(name) == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, **adamw)
-    if name == "muon":
-        from hf_diloco.integrations.inner_optimizer import build_muon_with_adamw
+    from hf_diloco.integrations.inner_optimizer import build_muon_with_adamw
 
-        names = [name for name, _ in model.named_parameters()]
-        return build_muon_with_adamw(model, lr, 0.1, decay_names=names, adamw_kwargs=adamw)
-    raise ValueError(f"inner={name!r}: choose adamw or muon")
+    names = [name for name, _ in model.named_parameters()]
+    return build_muon_with_adamw(model, lr, 0.1, decay_names=names, adamw_kwargs=adamw)
 
 
 def cosine_schedule(total: int, warmup: int):

@@ -539,8 +539,7 @@ def _group_per_quorum_and_step(process_group_class: type) -> type:
             self._sink = sink
 
         def configure(self, store_addr: str, *args: object, **kwargs: object) -> None:
-            address, _, prefix = store_addr.partition("/")
-            super().configure(f"{address}/{prefix}/step{self._sink.get('max_step', 0)}", *args, **kwargs)
+            super().configure(f"{store_addr}/step{self._sink.get('max_step', 0)}", *args, **kwargs)
 
     return GroupPerQuorumAndStep
 
