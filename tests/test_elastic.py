@@ -33,9 +33,11 @@ def exchanges(job: ElasticJob, replica: str) -> dict[int, dict]:
     return {event["step"]: event for event in job.events(replica) if event["kind"] == "exchange"}
 
 
-def reference(contributors: dict[int, list[int]]) -> dict[str, torch.Tensor]:
+def reference(contributors: dict[int, list[int]], tau: int = 0) -> dict[str, torch.Tensor]:
     """θg after STEPS inner steps: every round, each contributing worker trains H SGD steps on its slot from θg; θg
-    takes a Nesterov step with the mean of their pseudo-gradients (in worker order)."""
+    takes a Nesterov step with the mean of their pseudo-gradients (in worker order). With `tau` > 0 (streaming with
+    α = 0) each round's average is applied τ steps after its launch and θm <- θg then: a round after the first trains
+    from θg only its last H - τ steps (the τ steps before the apply are trained, then overwritten)."""
     model = tiny_model(seed=0)
     names = [name for name, _ in model.named_parameters()]
     theta = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -46,7 +48,7 @@ def reference(contributors: dict[int, list[int]]) -> dict[str, torch.Tensor]:
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     p.copy_(theta[name])
-            for step in range(end - H, end):
+            for step in range(end - H if end == H else end - H + tau, end):
                 model.zero_grad()
                 model(**batch_for(worker, step)).loss.backward()
                 with torch.no_grad():
@@ -63,8 +65,9 @@ def reference(contributors: dict[int, list[int]]) -> dict[str, torch.Tensor]:
     return theta
 
 
-def check_lost_and_joined(job: ElasticJob, lost_at: int) -> None:
-    """The round of `lost_at` committed among two after a retry; the worker came back, healed and counts again."""
+def check_lost_and_joined(job: ElasticJob, lost_at: int, tau: int = 0) -> None:
+    """The round of `lost_at` committed among two after a retry; the worker came back, healed and counts again. With
+    `tau` > 0 the survivors' exchanges ran behind the inner steps (logged when they complete, τ steps later)."""
     survivor = exchanges(job, "worker0")
     assert survivor[lost_at]["workers"] == 2 and survivor[lost_at]["contributors"] == 2
     assert survivor[lost_at]["retries"] >= 1
@@ -72,15 +75,16 @@ def check_lost_and_joined(job: ElasticJob, lost_at: int) -> None:
     assert joined, job.log("worker2")
     join_step = joined[-1]["step"]
     assert lost_at < join_step < STEPS
-    # Healed, it holds the others' θg before its first inner step, and its first round counts from the next one.
-    assert joined[-1]["theta_g"] == survivor[join_step]["theta_g"]
+    if not tau:  # healed, it holds the others' θg at the exchange (theirs is logged after its apply with τ > 0)
+        assert joined[-1]["theta_g"] == survivor[join_step]["theta_g"]
+    # Its first round counts from the next one.
     assert survivor[join_step]["workers"] == 3 and survivor[join_step]["contributors"] == 2
     for step, entry in survivor.items():
         expected = 3 if step < lost_at or step > join_step else 2
         assert entry["contributors"] == expected, (step, entry)
     theta = assert_same_global(job, ["worker0", "worker1", "worker2"])
     plan = {end: [0, 1, 2] if end < lost_at or end > join_step else [0, 1] for end in range(H, STEPS + 1, H)}
-    expected = reference(plan)
+    expected = reference(plan, tau)
     for name, value in expected.items():
         torch.testing.assert_close(theta[name], value, rtol=0, atol=1e-5, msg=name)
     summary = job.final("worker2")["summary"]
@@ -109,6 +113,37 @@ def test_a_killed_worker_is_dropped_mid_exchange_and_rejoins(job):
     codes = job.finish()
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
     check_lost_and_joined(job, lost_at)
+
+
+def test_a_worker_lost_with_a_background_exchange_in_flight_matches_the_reference(job):
+    """Streaming with τ = 1 (α = 0): every exchange runs behind the next inner step, as with a fixed membership.
+    SIGKILL with the survivors' exchange in flight: they find it failed when it is due, retry it among the two and
+    apply it at the same step; restarted, the worker heals at the next launch and joins the exchange running then.
+    θg is bitwise equal on the three and equal within 1e-5 to the plain-torch reference of those rounds."""
+    lost_at, go = 12, job.out / "restarted"
+    mode = ["--sync_delay", "1", "--merge_alpha", "0"]
+    survivor_args = [*mode, "--start_workers", "3", "--wait_at", str(lost_at + H + 2), "--wait_file", str(go)]
+    job.start(0, *survivor_args)
+    job.start(1, *survivor_args)
+    victim = job.start(2, *mode, "--start_workers", "3", "--stall_at", str(lost_at), "--stall_seconds", "60")
+    job.wait_for("worker2", lambda e: e["kind"] == "stalling")
+    time.sleep(0.5)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
+    restarted = time.time()
+    job.start(2, *mode, "--min_workers", "2")
+    job.wait_for("worker2", lambda e: e["kind"] == "bound" and e["time"] > restarted, timeout=120)
+    go.touch()
+    codes = job.finish()
+    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
+    check_lost_and_joined(job, lost_at, tau=1)
+    survivor = exchanges(job, "worker0")
+    assert all(entry["background"] for entry in survivor.values()), survivor  # the retried one too, first
+    # The lost round completed (and was logged) at its apply, τ = 1 step after its launch.
+    completed = next(e for e in job.events("worker0") if e["kind"] == "exchange" and e["step"] == lost_at)
+    steps_before = [e["step"] for e in job.events("worker0") if e["kind"] == "step" and e["time"] <= completed["time"]]
+    assert max(steps_before) == lost_at + 1, steps_before
 
 
 def test_a_stopped_worker_is_dropped_after_the_timeout_and_rejoins(job):
@@ -202,6 +237,8 @@ def test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join(job, mode)
     assert all(bool(torch.isfinite(value).all()) for value in theta.values())
     survivor = exchanges(job, "worker0")
     assert survivor[lost_at]["workers"] == 2 and survivor[lost_at]["retries"] >= 1
+    # Every survivor's exchange ran behind its inner steps, except plain streaming's (τ = 0 blocks by definition).
+    assert all(entry["background"] == (mode != ["--fragments", "2"]) for entry in survivor.values()), survivor
     joined = [e for e in job.events("worker2") if e["kind"] == "exchange" and e["healed"]][-1]
     later = [entry for step, entry in survivor.items() if step > joined["step"] + H]
     assert later and all(entry["contributors"] == 3 for entry in later)
@@ -214,9 +251,9 @@ def test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join(job, mode)
 @pytest.mark.parametrize(
     "settings, named",
     [
-        (dict(data_parallel_per_worker=2), "data_parallel_per_worker 2 without the site's topology"),
-        (dict(data_parallel_per_worker=2), "a membership of site_size 1 for data_parallel_per_worker 2"),
-        (dict(pipeline_stages=2), "pipeline stages"),
+        (dict(data_parallel_per_worker=2), "2 ranks per site without the site's topology"),
+        (dict(data_parallel_per_worker=2), "a membership of site_size 1 for 2 rank(s) per site"),
+        (dict(pipeline_stages=2), "2 ranks per site without the site's topology"),
         (dict(lowrank_rank=2), "low-rank or adaptive compression"),
     ],
 )

@@ -60,7 +60,8 @@ def run_sites(
     **variables: str,
 ) -> tuple[list[int], dict[str, str]]:
     """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step; `variables` go to
-    their environment; with `ranks` > 1 each site is a torchrun of that many data-parallel ranks), then stop the
+    their environment; with `ranks` > 1 each site is a torchrun of that many ranks, DATA_PARALLEL or
+    PIPELINE_STAGES in `variables` saying which), then stop the
     Lighthouse; their exit codes and logs."""
     env = site_environment(**variables, ROUND_POLICY=round_policy)
     with lighthouse_and_sites(env) as (port, sites):
@@ -68,7 +69,6 @@ def run_sites(
             launcher = [sys.executable]
             if ranks > 1:
                 launcher = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(ranks)]
-                env["DATA_PARALLEL"] = str(ranks)
             argv = [*launcher, str(SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path)]
             argv += [str((die_at or {})[site])] if site in (die_at or {}) else []
             log = (tmp_path / f"{site}.log").open("a")
@@ -94,10 +94,19 @@ def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_pa
     assert "| Worker membership | elastic: 2 exchanges among 2 workers; 0 drop(s), 0 join(s)" in card, card
 
 
-def test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model(tmp_path):
-    """Each site a `torchrun --nproc_per_node 2` of `DiLoCoTrainer` ranks with `data_parallel_per_worker` 2: one member
-    per site, both exchanges with both sites, θg bitwise equal, the start-up line naming the site's ranks."""
-    codes, logs = run_sites(tmp_path, ranks=2)
+SITES_OF_TWO_RANKS = {
+    "ddp": dict(DATA_PARALLEL="2"),
+    "fsdp": dict(DATA_PARALLEL="2", FSDP="1"),
+    "pipeline": dict(PIPELINE_STAGES="2"),
+}
+
+
+@pytest.mark.parametrize("kind", SITES_OF_TWO_RANKS)
+def test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model(tmp_path, kind):
+    """Each site a `torchrun --nproc_per_node 2` of `DiLoCoTrainer` ranks: two data-parallel ranks (DDP, or FSDP2
+    over the two) or two pipeline stages. One member per site, both exchanges with both sites, θg bitwise equal, the
+    start-up line naming the site's ranks."""
+    codes, logs = run_sites(tmp_path, ranks=2, **SITES_OF_TWO_RANKS[kind])
     assert codes == [0, 0], logs
     a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
     for name, value in a["global"].items():
@@ -105,7 +114,8 @@ def test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model(tmp_
     for result in (a, b):
         assert result["summary"]["exchanges"] == 2 and result["summary"]["most_workers"] == 2, result["summary"]
     for site in SITES:
-        assert f"elastic, site {site}, min_workers 1: 2 data-parallel ranks per site" in logs[site], logs[site]
+        ranks = "2 pipeline stages" if kind == "pipeline" else "2 data-parallel ranks"
+        assert f"elastic, site {site}, min_workers 1: {ranks} per site" in logs[site], logs[site]
 
 
 @pytest.mark.slow
@@ -139,10 +149,31 @@ def test_trainer_sites_lost_with_their_lighthouse_resume_from_their_checkpoints(
 HEAL_SITE = REPO / "tests" / "scripts" / "elastic_trainer_heal.py"
 
 
-def _start_heal_site(port: int, site: str, slot: int, mode: str, tmp_path: Path, env: dict) -> subprocess.Popen:
-    argv = [sys.executable, str(HEAL_SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path), mode]
+def _start_heal_site(
+    port: int, site: str, slot: int, mode: str, tmp_path: Path, env: dict, ranks: int = 1
+) -> subprocess.Popen:
+    launcher = [sys.executable] if ranks == 1 else [str(TORCHRUN), "--standalone", "--nproc_per_node", str(ranks)]
+    argv = [*launcher, str(HEAL_SITE), f"http://127.0.0.1:{port}", site, str(slot), str(tmp_path), mode]
     log = (tmp_path / f"{site}-{mode}.log").open("a")
     return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _lose_and_restart_site_b(tmp_path: Path, ranks: int = 1, **variables: str) -> tuple[list[int], int]:
+    """site-a and site-b train; site-b dies at step 3 (its last rank) and is started again from nothing while site-a
+    waits at step 6 until the new site-b heartbeats to the Lighthouse. The exit codes of site-a and the new site-b,
+    and that of the lost one."""
+    env = site_environment(**variables)
+    with lighthouse_and_sites(env) as (port, processes):
+        processes.append(_start_heal_site(port, "site-a", 0, "wait", tmp_path, env, ranks))
+        processes.append(_start_heal_site(port, "site-b", 1, "die", tmp_path, env, ranks))
+        lost = processes[1].wait(timeout=240)
+        before = _heartbeating(port, "site-b")
+        processes.append(_start_heal_site(port, "site-b", 1, "rejoin", tmp_path, env, ranks))
+        deadline = time.monotonic() + 120
+        while not _heartbeating(port, "site-b") - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (tmp_path / "rejoined").touch()  # site-a goes on: the Lighthouse now waits for the new site-b too
+        return [processes[0].wait(timeout=240), processes[2].wait(timeout=240)], lost
 
 
 def _heartbeating(port: int, site: str) -> set[str]:
@@ -157,20 +188,9 @@ def test_a_lost_trainer_site_restarted_fresh_heals_and_its_trainer_jumps_to_the_
     the new site-b heartbeats to the Lighthouse). The new site-b heals as it joins, at site-a's next exchange: its
     Trainer starts at the job's step, reads the batches an uninterrupted run reads at those steps, ends at max_steps
     with site-a, on the same learning rate, and with the same θg."""
-    env = site_environment()
-    with lighthouse_and_sites(env) as (port, processes):
-        processes.append(_start_heal_site(port, "site-a", 0, "wait", tmp_path, env))
-        processes.append(_start_heal_site(port, "site-b", 1, "die", tmp_path, env))
-        assert processes[1].wait(timeout=240) == 3
-        before = _heartbeating(port, "site-b")
-        processes.append(_start_heal_site(port, "site-b", 1, "rejoin", tmp_path, env))
-        deadline = time.monotonic() + 120
-        while not _heartbeating(port, "site-b") - before and time.monotonic() < deadline:
-            time.sleep(0.2)
-        (tmp_path / "rejoined").touch()  # site-a goes on: the Lighthouse now waits for the new site-b too
-        codes = [processes[0].wait(timeout=240), processes[2].wait(timeout=240)]
+    codes, lost = _lose_and_restart_site_b(tmp_path)
     logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
-    assert codes == [0, 0], logs
+    assert codes == [0, 0] and lost == 3, logs
     a = torch.load(tmp_path / "site-a-wait.pt", weights_only=False)
     b = torch.load(tmp_path / "site-b-rejoin.pt", weights_only=False)
     for name, value in a["global"].items():
@@ -192,3 +212,37 @@ def test_a_lost_trainer_site_restarted_fresh_heals_and_its_trainer_jumps_to_the_
     assert rates[0] and rates[0] == rates[1], rates
     logged = [entry["step"] for entry in b["log"] if "loss" in entry]
     assert logged == steps, logged
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "pipeline"])
+def test_a_site_that_loses_one_rank_leaves_whole_and_heals_both_ranks_when_restarted(tmp_path, kind):
+    """Each site a torchrun of two `DiLoCoTrainer` ranks: FSDP2 over two data-parallel ranks, or two pipeline stages.
+    One rank of site-b dies at step 3: its torchrun stops the other, and site-a trains on without it. site-b, started
+    again from nothing, heals each of its ranks from the matching rank of site-a (FSDP: its rows of θg and of the
+    outer state; pipeline: its stage's), its Trainers jump to the job's step, and the four ranks end with the same θg,
+    bit for bit. With FSDP a site's epoch is 8 steps, so a heal at the job's step 8 skips one whole epoch."""
+    codes, lost = _lose_and_restart_site_b(tmp_path, ranks=2, **SITES_OF_TWO_RANKS[kind])
+    logs = {path.name: path.read_text() for path in tmp_path.glob("*.log")}
+    assert codes == [0, 0] and lost != 0, logs
+    assert not list(tmp_path.glob("site-b-die_r*.pt")), "the lost site ran on"
+    runs = {
+        (site, rank): torch.load(tmp_path / f"{site}-{mode}_r{rank}.pt", weights_only=False)
+        for site, mode in (("site-a", "wait"), ("site-b", "rejoin"))
+        for rank in (0, 1)
+    }
+    for (site, rank), run in runs.items():
+        assert run["sharded"] == (kind == "fsdp") and run["global_step"] == 12, (site, rank, run["global_step"])
+        reference = runs["site-a", rank]["global"]  # a stage's θg is its own parameters'; FSDP's every parameter
+        assert run["global"].keys() == reference.keys(), (site, rank)
+        for name, value in reference.items():
+            assert torch.equal(value, run["global"][name]), (site, rank, name)
+    stages = [set(runs["site-a", rank]["global"]) for rank in (0, 1)]
+    assert (stages[0] == stages[1]) == (kind == "fsdp") and (kind == "fsdp" or not stages[0] & stages[1]), stages
+    for rank in (0, 1):
+        healed, live = runs["site-b", rank]["summary"], runs["site-a", rank]["summary"]
+        assert healed["heals"] == 1 and live["drops"] >= 1 and live["fewest_workers"] == 1, (healed, live)
+        # The healed ranks trained (and logged a loss at) the job's steps from the heal on, not the steps the job ran
+        # without them.
+        logged = [entry["step"] for entry in runs["site-b", rank]["log"] if "loss" in entry]
+        assert logged == list(range(logged[0], 13)) and logged[0] > 5, logged

@@ -60,10 +60,14 @@ def test_a_launch_of_several_processes_under_membership_is_refused_saying_what_t
     config = DiLoCoConfig(**ELASTIC)
     with pytest.raises(ValueError, match=r"this launch has 2 processes.*torchrun --nproc_per_node 1"):
         membership_from_config(config, Topology(RankLayout(2), 0, {}))
-    with pytest.raises(ValueError, match="Set data_parallel_per_worker to 4 to make these processes one site"):
+    with pytest.raises(
+        ValueError,
+        match=r"Set data_parallel_per_worker \(times pipeline_stages\) to 4 to make these processes one site",
+    ):
         check_one_process_per_site(config, 4)
-    with pytest.raises(ValueError, match="data_parallel_per_worker 2: under elastic membership one launch is one"):
+    with pytest.raises(ValueError, match="= 1 x 2: under elastic membership one launch is one"):
         check_one_process_per_site(DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2), 4)
+    check_one_process_per_site(DiLoCoConfig(**ELASTIC, pipeline_stages=2, data_parallel_per_worker=2), 4)  # one site
     check_one_process_per_site(DiLoCoConfig(), 4)  # a fixed membership of several processes is as before
 
 
@@ -87,10 +91,31 @@ def test_a_site_of_another_number_of_ranks_is_refused_before_it_joins_naming_the
     published = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
     store.set(SETTINGS_KEY, json.dumps({**published, "site_size": 1}))
     joiner = TorchftMembership(ELASTIC["lighthouse"], "site-b", site_rank=0, site_size=2, site_group=object())
-    with pytest.raises(ValueError, match=r"live sites run 1 data-parallel rank\(s\) each and this site 'site-b' 2"):
-        joiner._check_live_settings(published, [f"127.0.0.1:{store.port}"])
-    with pytest.raises(ValueError, match=r"torchrun --nproc_per_node 1, data_parallel_per_worker=1"):
-        joiner._check_live_settings(None, [f"127.0.0.1:{store.port}"])
+    with pytest.raises(ValueError, match=r"live sites run 1 rank\(s\) each and this site 'site-b' 2"):
+        joiner._check_live_settings(published, "replicated", [f"127.0.0.1:{store.port}"])
+    with pytest.raises(
+        ValueError, match=r"torchrun --nproc_per_node 1, pipeline_stages x data_parallel_per_worker = 1"
+    ):
+        joiner._check_live_settings(None, "replicated", [f"127.0.0.1:{store.port}"])
     same = TorchftMembership(ELASTIC["lighthouse"], "site-c")
-    same._check_live_settings(published, [f"127.0.0.1:{store.port}"])  # one rank each: joins
+    same._check_live_settings(published, "replicated", [f"127.0.0.1:{store.port}"])  # one rank each: joins
     assert joiner.manager is None and same.manager is None
+
+
+def test_a_site_that_shards_the_model_otherwise_is_refused_before_it_joins_naming_the_launch():
+    """A live site of two replicated (DDP) ranks published its sharding: an FSDP site of two ranks stops before its
+    Manager exists (rank k's share of θg would be other values on each), and so does the reverse."""
+    from hf_diloco.core.torchft_membership import SETTINGS_KEY, TorchftMembership
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    config = DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2)
+    published = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
+    store.set(SETTINGS_KEY, json.dumps({**published, "site_size": 2, "sharding": "replicated"}))
+    joiner = TorchftMembership(ELASTIC["lighthouse"], "site-b", site_rank=0, site_size=2, site_group=object())
+    with pytest.raises(ValueError, match=r"live sites hold the model replicated .* this site fsdp.*without FSDP"):
+        joiner._check_live_settings(published, "fsdp", [f"127.0.0.1:{store.port}"])
+    store.set(SETTINGS_KEY, json.dumps({**published, "site_size": 2, "sharding": "fsdp"}))
+    with pytest.raises(ValueError, match=r"this site replicated.*with the Trainer's fsdp arguments"):
+        joiner._check_live_settings(published, "replicated", [f"127.0.0.1:{store.port}"])
+    joiner._check_live_settings(published, "fsdp", [f"127.0.0.1:{store.port}"])  # the same sharding: joins
+    assert joiner.manager is None

@@ -337,7 +337,8 @@ class DiLoCoConfig:
         default="",
         metadata={
             "help": "The torchft Lighthouse's address, http://host:port: run elastic, each site launched on its own "
-            "(one process, or data_parallel_per_worker ranks). Empty: a fixed membership (every process of the launch)."
+            "(one process, or one worker's pipeline_stages x data_parallel_per_worker ranks). Empty: a fixed "
+            "membership (every process of the launch)."
         },
     )
     site: str = field(default="", metadata={"help": "This site's name, unique in the elastic job (its replica id)."})

@@ -30,12 +30,13 @@ from .buffers import BufferPool
 from .codecs import CODEC_BITS, make_codec
 from .config import DiLoCoConfig, refuse_unsupported
 from .devices import local_device
-from .elastic import ElasticRounds, Membership
+from .elastic import ElasticRounds
 from .exchange import OuterExchange, PendingExchange, ScheduleTag
 from .fragment import Fragment, InFlight, outer_state_bytes
 from .fragments import Piece, find_block_stack, partition_fragments
 from .lowrank import LowRankCompressor
 from .lowrank_split import assign_owners
+from .membership import Membership
 from .outer_schedule import learning_rate_now, scheduled
 from .overlap import Overlap, make_overlap
 from .round_policy import RoundClock, make_round_policy
@@ -101,7 +102,6 @@ class DiLoCo:
         check_topology_matches(self.topology, config)
         params = {name: p for name, p in model.named_parameters() if p.requires_grad}
         self.sharded_model = is_sharded(params, self.topology)
-        check_elastic_replicated(membership, self.sharded_model)
         shapes = {name: tuple(p.shape) for name, p in params.items()}
         block_stack = find_block_stack(model)
         pieces = partition_fragments(shapes, config.num_fragments, config.fragment_pattern, block_stack, num_blocks)
@@ -160,6 +160,8 @@ class DiLoCo:
             self.elastic.check_can_train()
         self.clock.step_begins()
         self.inner_step += 1
+        if self.elastic is not None:  # an exchange running behind the inner steps completes first, when due
+            self.elastic.background.finish_due(self.inner_step)
         self.overlap.apply_due(self.fragments, self.inner_step)
         for index in self.round_policy.launches(self.inner_step):
             self._launch(self.fragments[index])
@@ -430,47 +432,32 @@ def check_elastic_supported(
     config: DiLoCoConfig, topology: Topology | None, membership: Membership | None = None
 ) -> None:
     """Refuse, before anything starts, what elastic membership does not run (docs/design.md says why). A site is one
-    process, or D data-parallel ranks of a replicated model (DDP) whose `topology` is one worker of D ranks."""
+    process, or the S x D ranks (pipeline stages, data-parallel ranks: DDP or FSDP2) of a `topology` of one worker."""
     refused = []
-    dp = config.data_parallel_per_worker
-    if config.pipeline_stages > 1:
-        refused.append("pipeline stages (a site's ranks must be data-parallel ranks: pipeline_stages 1)")
+    dp, ranks = config.data_parallel_per_worker, config.data_parallel_per_worker * config.pipeline_stages
     if topology is not None and topology.num_workers > 1:
         refused.append(
-            f"a fixed topology of {topology.num_workers} workers (one launch is one site: data_parallel_per_worker "
-            "must be its number of processes)"
+            f"a fixed topology of {topology.num_workers} workers (one launch is one site: pipeline_stages x "
+            "data_parallel_per_worker must be its number of processes)"
         )
-    if dp > 1 and (topology is None or topology.data_parallel_size != dp):
+    if ranks > 1 and (topology is None or topology.layout.worker_size != ranks):
         refused.append(
-            f"data_parallel_per_worker {dp} without the site's topology (pass "
-            f"Topology.from_default_group(data_parallel_per_worker={dp}) over the site's {dp} ranks)"
+            f"{ranks} ranks per site without the site's topology (pass Topology.from_default_group("
+            f"{config.pipeline_stages}, {dp}) over the site's {ranks} ranks)"
         )
     site_size = getattr(membership, "site_size", 1)
-    if site_size != dp:
+    if site_size != ranks:
         refused.append(
-            f"a membership of site_size {site_size} for data_parallel_per_worker {dp} (give TorchftMembership "
-            f"site_size={dp} and this rank's site_rank)"
+            f"a membership of site_size {site_size} for {ranks} rank(s) per site (give TorchftMembership "
+            f"site_size={ranks} and this rank's site_rank)"
         )
-    if dp > 1 and config.round_policy != "steps":
-        refused.append(f"round_policy {config.round_policy} on a site of {dp} ranks (use round_policy steps)")
+    if ranks > 1 and config.round_policy != "steps":
+        refused.append(f"round_policy {config.round_policy} on a site of {ranks} ranks (use round_policy steps)")
     if config.lowrank_rank or config.adaptive_compression:
         refused.append("low-rank or adaptive compression")
     refuse_unsupported(
-        "Elastic membership runs among sites of one process or of data-parallel (DDP) ranks",
+        "Elastic membership runs among sites of one process or of one worker's ranks",
         refused,
-        "run without elastic membership",
-    )
-
-
-def check_elastic_replicated(membership: Membership | None, sharded_model: bool) -> None:
-    """Refuse a model sharded with FSDP under elastic membership (a site's ranks must each hold the whole model)."""
-    if membership is None:
-        return
-    refuse_unsupported(
-        "Elastic membership runs among sites of one process or of data-parallel (DDP) ranks",
-        ["a model sharded with FSDP (each rank of a site must hold the whole model, as DDP does)"]
-        if sharded_model
-        else [],
         "run without elastic membership",
     )
 

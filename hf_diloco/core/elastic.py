@@ -20,18 +20,18 @@ live peer while it forms the group. `ElasticRounds` is the engine's side of it, 
   With `round_policy: balanced` it is an all-gather of (contributes, steps, step time) instead, and the average is
   weighted by the steps each contributor trained since its last launch of the fragment (`round_policy.py`).
 
-Every exchange runs inline, at its launch: the overlap mode's rule (streaming with τ > 0, delayed, eager) decides when
-its average is applied, as without elastic membership, but the communication itself is not overlapped with compute.
-Between two groups nothing is in flight, so a group can be formed and a state served at any launch; a worker that
-heals receives the averages the others have completed and not applied yet, and applies them at the same steps.
-A worker is one process, or a site of D data-parallel ranks (each rank's membership forms the site's one quorum, and
-rank k exchanges its share with rank k of the other sites; docs/design.md, "A site of several ranks").
+The overlap mode's rule (streaming with τ > 0, delayed, eager) decides when an average is applied, as without
+elastic membership, and its exchange runs behind the inner steps until then (`elastic_background.py`), completed
+before any other group forms: between two groups nothing is in flight, so a group can be formed and a state served
+at any launch; a worker that heals receives the averages the others have completed and not applied yet, and applies
+them at the same steps. A worker is one process, or a site of one worker's ranks (S pipeline stages x D
+data-parallel ranks, DDP or FSDP2: each rank's membership forms the site's one quorum, and rank k exchanges its share
+with rank k of the other sites; docs/design.md, "A site of several ranks").
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,8 +39,10 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint import load_shared_state, shared_state
+from .elastic_background import BackgroundExchange, running_in_background
 from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange, unmasked_collective_error
 from .fragment import Fragment, InFlight
+from .membership import Membership, RoundView
 from .settings_check import check_same_published
 
 if TYPE_CHECKING:
@@ -52,55 +54,6 @@ if TYPE_CHECKING:
     from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
-
-StateFn = Callable[[], dict]
-LoadFn = Callable[[dict], None]
-
-
-@dataclass(frozen=True)
-class RoundView:
-    """The group one exchange runs in, as this worker sees it.
-
-    Attributes:
-        group: a process group of the members, one rank per worker (None when this worker is alone).
-        rank: this worker's rank in it.
-        size: the number of members.
-        healed: this worker has just loaded a live peer's state (through the `load_state_dict` it was bound to);
-            on a site of several ranks, true on all of them when any one did.
-        heal_bytes: bytes received for that state.
-        heal_seconds: seconds the transfer took.
-    """
-
-    group: dist.ProcessGroup | None
-    rank: int
-    size: int
-    healed: bool = False
-    heal_bytes: int = 0
-    heal_seconds: float = 0.0
-
-
-class Membership(Protocol):
-    """Who takes part in each exchange. `bind` comes first; then, per exchange, `begin_round`, the exchange over
-    `view.group`, `report_error` if it failed, `end_round`."""
-
-    def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
-        """The global state a worker behind the others receives from a live peer, and how it is loaded."""
-
-    def begin_round(self) -> RoundView:
-        """Form the group for the next exchange (heal this worker first when it is behind)."""
-
-    def report_error(self, error: Exception) -> None:
-        """The exchange failed on this worker: the round must not be committed."""
-
-    def end_round(self) -> bool:
-        """True: apply the exchange's result (every member decides alike); False: discard it and retry."""
-
-    def close(self) -> None:
-        """Leave the job."""
-
-    # Optional (`getattr`): `earlier_members`, the workers of the job's last group before this one came (none for a
-    # fresh job), and `lighthouse`, where the job is found (what a worker alone is told); `progress()`, the job's
-    # committed rounds, stored in a checkpoint, and `resume_at(progress)`, which counts from a checkpoint's again.
 
 
 class MinWorkersTimeout(RuntimeError):
@@ -116,14 +69,18 @@ class MembershipLog:
     """Membership per exchange, for logs, metrics and the model card.
 
     Attributes:
-        rounds: one entry per exchange this worker completed: inner step, fragment, workers in the group,
-            contributors, retries, whether this worker healed first.
+        rounds: one entry per exchange this worker completed: inner step of its launch, fragment, workers in the
+            group, contributors, retries, whether this worker healed first, whether it ran behind the inner steps.
         heal_bytes, heal_seconds: what healing from peers cost this worker in all.
     """
 
     rounds: list[dict] = field(default_factory=list)
     heal_bytes: int = 0
     heal_seconds: float = 0.0
+
+    def record(self, **entry: object) -> None:
+        """One completed exchange (the fields of `rounds`)."""
+        self.rounds.append(entry)
 
     def summary(self) -> dict:
         """Exchanges, the fewest and most workers in one, joins and drops (rises and falls of the group size
@@ -174,8 +131,10 @@ class ElasticRounds:
         self.engine = engine
         self.membership = membership
         self.log = MembershipLog()
-        self._phase: tuple[str, int] | None = None  # ("launch" | "tail", fragment) while an exchange is formed
+        # ("launch" | "tail", fragment, inner step of the launch) from a launch until its exchange is committed
+        self._phase: tuple[str, int, int] | None = None
         self._tails_done: list[int] = []
+        self.background = BackgroundExchange(self)  # an exchange running behind the inner steps
         self._weight = 0.0  # `balanced`: the steps this worker's Δ of the exchange being formed covers
         self._contributing = {fragment.index for fragment in engine.fragments}
         self.alone_without_state = False  # see `check_can_train`
@@ -211,23 +170,14 @@ class ElasticRounds:
         """Refuse to train a worker that found no live peer in a job that has run and loaded no checkpoint (with
         `min_workers` 1 nothing else stops it): it would train alone from its own initial weights and save that."""
         if self.alone_without_state:
-            earlier = ", ".join(getattr(self.membership, "earlier_members", []))
-            lighthouse = getattr(self.membership, "lighthouse", "the job's Lighthouse")
-            raise AloneWithoutState(
-                f"This worker is alone: the Lighthouse {lighthouse} last formed a group of {earlier}, none of which "
-                "joined this worker's first group (gone, or not at an exchange within the Lighthouse's join timeout), "
-                "and this worker loaded no checkpoint, so it would train the job over from its own "
-                "initial weights (min_workers=1 lets a worker train alone). Resume it from the job's last checkpoint "
-                "(DiLoCo.load_state_dict; resume_from_checkpoint in the Trainer and hf-diloco pretrain), or start "
-                "it together with the other sites (start_workers=2 makes its first group wait for another), or "
-                "start a new Lighthouse for a new run."
-            )
+            raise _alone_without_state(self.membership)
 
     def resume(self, state: dict) -> None:
         """After the engine loaded a checkpoint: meet the others again at the checkpoint's progress (the torchft
         step it was saved at), so that whoever is behind heals from whoever is ahead: this worker from live peers
         that went on since, or a site whose checkpoint is older from one with a newer (a whole job restarted after
         its Lighthouse was lost, where every site resumes at once)."""
+        self.background.drain()
         resume_at = getattr(self.membership, "resume_at", None)
         if resume_at is not None:
             resume_at(int(state.get("elastic_progress", 0)))  # none stored: behind any live peer
@@ -241,20 +191,24 @@ class ElasticRounds:
         return state if progress is None else {**state, "elastic_progress": progress()}
 
     def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
-        """Exchange the fragment's pseudo-gradient among the workers present and apply the average."""
-        self._phase = ("launch", fragment.index)
+        """Exchange the fragment's pseudo-gradient among the workers present and apply the average: at once, or, in
+        an overlap mode that applies it later, in the background (`elastic_background.py`)."""
+        self.background.drain()
+        self._phase = ("launch", fragment.index, self.engine.inner_step)
         self._weight = float(self.engine.round_policy.launch_weights[fragment.index]) if self._balanced else 0.0
         view = self._begin()
         if view.healed and self._phase is None:  # healed from peers meeting after a resume: their join is this one's
             self.join(view)
             return
-        self._run(fragment, delta, view)
+        if not self.background.start(fragment, delta, view):
+            self._run(fragment, delta, view)
 
     def tail(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """`close()`'s plain-average sync of a fragment's tail, among the workers present."""
+        self.background.drain()
         if fragment.index in self._tails_done:
             return  # synced while this worker healed into the others' close()
-        self._phase = ("tail", fragment.index)
+        self._phase = ("tail", fragment.index, self.engine.inner_step)
         if self._balanced:
             self._weight = float(self.engine.round_policy.steps_since_launch(fragment.index, self.engine.inner_step))
         self._run(fragment, delta, self._begin())
@@ -269,20 +223,23 @@ class ElasticRounds:
         engine = self.engine
         return {
             **shared_state(engine.config, engine.inner_step, engine.fragments, engine.guard, copy=False),
+            # The exchange being retried is not served: the healer joins it (`phase`), as at a launch.
             "flights": {
                 fragment.index: _completed_flight(fragment.flight)
                 for fragment in engine.fragments
-                if fragment.flight is not None
+                if fragment.flight is not None and not running_in_background(fragment.flight)
             },
             "phase": self._phase,
             "tails_done": list(self._tails_done),
             "outer_rounds": engine.outer_rounds,
+            "sharding": sharding_kind(engine.sharded_model),
         }
 
     def load_global_state(self, state: dict) -> None:
         """Take a live peer's `global_state`: θg into the model, this worker's own round discarded."""
         engine = self.engine
         check_peer_settings(engine.config, state)
+        check_same_sharding(state.get("sharding", "replicated"), sharding_kind(engine.sharded_model))
         engine.inner_step = load_shared_state(engine.fragments, engine.guard, state)
         # θg reaches the model in `_begin`, on every rank of the site at once (a collective among them).
         for index, flight in state["flights"].items():
@@ -307,16 +264,9 @@ class ElasticRounds:
 
     def _begin(self) -> RoundView:
         view = self.membership.begin_round()
-        stats = self.engine.stats
-        if stats.workers_in_round:
-            stats.membership_joins += max(0, view.size - stats.workers_in_round)
-            stats.membership_drops += max(0, stats.workers_in_round - view.size)
-        stats.workers_in_round = view.size
+        _count_membership(self.engine.stats, view)
         if view.healed:
             self._write_healed_state()
-            stats.heals += 1
-            stats.heal_bytes += view.heal_bytes
-            stats.heal_seconds += view.heal_seconds
             self.log.heal_bytes += view.heal_bytes
             self.log.heal_seconds += view.heal_seconds
             logger.warning(
@@ -339,38 +289,52 @@ class ElasticRounds:
 
     def _run(self, fragment: Fragment | None, delta: torch.Tensor | None, view: RoundView) -> None:
         """Exchange until the members commit (retrying the same Δ among whoever is left), then apply."""
-        retries, healed = 0, view.healed
-        while True:
-            if view.healed or fragment is None:
-                fragment, delta = self._joining_exchange()
-                self._weight = 0.0
-            final = self._phase[0] == "tail"
-            result = self._attempt(fragment, delta, view, final)
-            if self.membership.end_round() and result is not None:
-                break
+        if view.healed or fragment is None:
+            fragment, delta = self._joining_exchange()
+            self._weight = 0.0
+        result = self.attempt(fragment, delta, view, self._phase[0] == "tail")
+        fragment, delta, result, final = self.settle(fragment, delta, view, result, background=False)
+        self._apply(fragment, delta, result, final)
+
+    def settle(
+        self, fragment: Fragment, delta: torch.Tensor, view: RoundView, result: ExchangeResult | None, background: bool
+    ) -> tuple[Fragment, torch.Tensor, ExchangeResult, bool]:
+        """From an attempt's `result` (None: it failed here) to a committed one: while the members cannot all
+        commit, form a group of whoever is left and send the same Δ again (zeros, once this worker healed into it).
+        `background`: the first attempt ran behind the inner steps (logged with the exchange)."""
+        retries, healed, launched_at = 0, view.healed, self._phase[2]
+        while not (self.membership.end_round() and result is not None):
             retries += 1
             self.engine.stats.exchange_retries += 1
             logger.warning(
                 "the exchange of fragment %d at inner step %d did not complete among %d workers; retrying with the "
                 "workers present",
                 fragment.index,
-                self.engine.inner_step,
+                launched_at,
                 view.size,
             )
             view = self._begin()
             healed = healed or view.healed
-        self.log.rounds.append(
-            {
-                "step": self.engine.inner_step,
-                "fragment": fragment.index,
-                "final": final,
-                "workers": view.size,
-                "contributors": result.contributors,
-                "retries": retries,
-                "healed": healed,
-            }
-        )
-        self._apply(fragment, delta, result, final)
+            if view.healed:
+                fragment, delta = self._joining_exchange()
+                self._weight = 0.0
+                launched_at = self._phase[2]
+            result = self.attempt(fragment, delta, view, self._phase[0] == "tail")
+        final = self._phase[0] == "tail"
+        self.log.record(
+            step=launched_at, fragment=fragment.index, final=final, workers=view.size,
+            contributors=result.contributors, retries=retries, healed=healed, background=background,
+        )  # fmt: skip
+        return fragment, delta, result, final
+
+    def committed(self, fragment: Fragment) -> None:
+        """The fragment's exchange is committed: no group is being formed, and its rounds count this worker's Δ."""
+        self._phase = None
+        self._contributing.add(fragment.index)
+
+    def contributes(self, fragment: Fragment) -> bool:
+        """Whether this worker sends its own Δ for `fragment` (not zeros: it has trained a whole round of it)."""
+        return fragment.index in self._contributing
 
     def _barrier(self, view: RoundView) -> bool:
         if view.group is None or view.size == 1:
@@ -391,42 +355,50 @@ class ElasticRounds:
         fragment = self.engine.fragments[self._phase[1]]
         return fragment, torch.zeros_like(fragment.theta_g)
 
-    def _attempt(self, fragment: Fragment, delta: torch.Tensor, view: RoundView, final: bool) -> ExchangeResult | None:
+    def attempt(
+        self, fragment: Fragment, delta: torch.Tensor, view: RoundView, final: bool, blocking: bool = True
+    ) -> ExchangeResult | PendingExchange | None:
+        """One exchange among the group's members: its result (`blocking`) or the exchange under way; None when it
+        failed here (reported to the membership, so that no member commits it)."""
         engine = self.engine
         balanced = self._balanced
         outer = OuterGroup(
-            view.group,
-            view.rank,
-            view.size,
+            view.group, view.rank, view.size,
             contributes=fragment.index in self._contributing and (self._weight > 0 or not balanced),
             weight=self._weight if balanced else None,
             step_seconds=engine.clock.median_step_seconds() if balanced else 0.0,
-        )
+        )  # fmt: skip
         what = "final outer sync" if final else "outer sync"
         description = (
             f"{what} of fragment {fragment.index} at inner step {engine.inner_step} among {view.size} workers"
         )
         try:
-            return engine.exchange.launch(
-                delta.cpu(),
-                description,
-                blocking=True,
-                compressor=fragment.compressor,
-                outer=outer,
+            pending = engine.exchange.launch(
+                delta.cpu(), description, blocking=blocking, compressor=fragment.compressor, outer=outer,
                 out=fragment.average_buffer(),
-            ).wait()
+            )  # fmt: skip
         except OuterSyncError as error:
-            logger.warning("%s", error)
-            self.membership.report_error(error)
-            return None
+            return self._failed(error)
+        return self.wait_for(pending) if blocking else pending
+
+    def wait_for(self, pending: PendingExchange) -> ExchangeResult | None:
+        try:
+            return pending.wait()
+        except OuterSyncError as error:
+            return self._failed(error)
+
+    def _failed(self, error: OuterSyncError) -> None:
+        logger.warning("%s", error)
+        self.membership.report_error(error)
+        return None
 
     def _apply(self, fragment: Fragment, delta: torch.Tensor, result: ExchangeResult, final: bool) -> None:
         engine = self.engine
+        launched_at = self._phase[2]
         flight = InFlight(PendingExchange.completed(result), engine.inner_step, sent=delta, scale=result.scale)
         if self._balanced:
             engine.round_policy.observe_fastest(result.fastest_step_seconds)
-        self._phase = None
-        self._contributing.add(fragment.index)
+        self.committed(fragment)
         if final:
             self._tails_done.append(fragment.index)
             record = engine.rounds.apply_tail(fragment, flight) if result.contributors else None
@@ -435,12 +407,41 @@ class ElasticRounds:
                 engine.rounds.publish(record)
         elif result.contributors or engine.overlap.saves_sent:
             # Applied now (sync_delay 0) or later by the overlap mode's rule, as without elastic membership; a
-            # delayed or eager round whose members all joined during it applies a zero average.
-            flight.apply_at = engine.inner_step + engine.overlap.apply_delay
+            # delayed or eager round whose members all joined during it applies a zero average. A worker that healed
+            # into a retry at the others' apply step (a background exchange) applies it at once, as they do.
+            flight.apply_at = launched_at + engine.overlap.apply_delay
             engine.overlap.workers = engine.rounds.workers = max(1, result.contributors)  # M: the workers averaged
             engine.overlap.launched(fragment, flight)
+            if flight.apply_at <= engine.inner_step and fragment.flight is flight:
+                engine.overlap.apply_due(engine.fragments, flight.apply_at)
         else:  # every member joined during this round: there is nothing to average
             fragment.write_local(fragment.theta_g)
+
+
+def _count_membership(stats: EngineStats, view: RoundView) -> None:
+    """The engine's membership counters after a group formed: its size, the rises and falls since the last group,
+    and a heal's bytes and seconds."""
+    if stats.workers_in_round:
+        stats.membership_joins += max(0, view.size - stats.workers_in_round)
+        stats.membership_drops += max(0, stats.workers_in_round - view.size)
+    stats.workers_in_round = view.size
+    if view.healed:
+        stats.heals += 1
+        stats.heal_bytes += view.heal_bytes
+        stats.heal_seconds += view.heal_seconds
+
+
+def _alone_without_state(membership: Membership) -> AloneWithoutState:
+    earlier = ", ".join(getattr(membership, "earlier_members", []))
+    lighthouse = getattr(membership, "lighthouse", "the job's Lighthouse")
+    return AloneWithoutState(
+        f"This worker is alone: the Lighthouse {lighthouse} last formed a group of {earlier}, none of which joined "
+        "this worker's first group (gone, or not at an exchange within the Lighthouse's join timeout), and this "
+        "worker loaded no checkpoint, so it would train the job over from its own initial weights (min_workers=1 "
+        "lets a worker train alone). Resume it from the job's last checkpoint (DiLoCo.load_state_dict; "
+        "resume_from_checkpoint in the Trainer and hf-diloco pretrain), or start it together with the other sites "
+        "(start_workers=2 makes its first group wait for another), or start a new Lighthouse for a new run."
+    )
 
 
 def check_peer_settings(config: DiLoCoConfig, state: dict) -> None:
@@ -448,6 +449,24 @@ def check_peer_settings(config: DiLoCoConfig, state: dict) -> None:
     both values (only the fingerprints for a peer of a version that sent no settings)."""
     mine = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
     check_published_settings(mine, state)
+
+
+def sharding_kind(sharded_model: bool) -> str:
+    """How a site's ranks hold the model: "fsdp" (each rank its FSDP2 shards, and the outer state by those rows) or
+    "replicated" (each rank the whole model, the outer state by 1/D of the flat vector)."""
+    return "fsdp" if sharded_model else "replicated"
+
+
+def check_same_sharding(theirs: str, mine: str) -> None:
+    """Refuse a live site whose ranks shard the model otherwise: rank k's share of θg is FSDP's rows of rank k on one
+    and the k-th 1/D of the flat vector on the other, so the same rank of each would hold different values."""
+    if theirs != mine:
+        launch = "with the Trainer's fsdp arguments" if theirs == "fsdp" else "without FSDP"
+        raise ValueError(
+            f"The live sites hold the model {theirs} on their ranks and this site {mine}: rank k of a site exchanges "
+            f"its share of the global model with rank k of the others, and the shares of the two differ. Launch this "
+            f"site as the others are ({launch})."
+        )
 
 
 def check_published_settings(mine: dict, peer: dict) -> None:

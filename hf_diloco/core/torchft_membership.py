@@ -34,7 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .elastic import LoadFn, MinWorkersTimeout, RoundView, StateFn, check_published_settings
+from .elastic import MinWorkersTimeout, check_published_settings, check_same_sharding
+from .membership import LoadFn, RoundView, StateFn
 
 logger = logging.getLogger(__name__)
 SECRET_VARIABLE = "HF_DILOCO_JOB_SECRET"
@@ -86,7 +87,8 @@ class TorchftMembership:
         host: the name or address the other workers reach this one at (its group's rendezvous store is announced
             under it); by default this machine's host name, which must resolve to a reachable address at every site.
             The worker's store, checkpoint server and Manager listen on this address only (not on every interface).
-        site_rank, site_size: this process's rank among the site's data-parallel ranks, and their number (every site
+        site_rank, site_size: this process's rank among the site's ranks (its worker's pipeline stages and
+            data-parallel ranks, in the topology's order), and their number (every site
             of the job must have the same; rank k of a site exchanges with rank k of the others).
         site_group: a gloo group of the site's ranks (its rank 0 first), where rank 0 hands the others the site's
             store and the ranks agree whether to ask for a quorum again; None for a site of one process.
@@ -155,12 +157,14 @@ class TorchftMembership:
                 master_listen_fd=self._store_socket.fileno(),
             )
             members = _last_quorum_members(self.lighthouse, min(connect_timeout.total_seconds(), 10.0))
-            mine = _settings_of(state_dict())
+            state = state_dict()
+            mine, sharding = _settings_of(state), state.get("sharding", "replicated")
             # Before this worker's Manager heartbeats: from then on the Lighthouse waits for it, and the next
             # quorum includes it, so a refusal at its heal would cost the live workers a failed exchange and a
             # retry.
-            self._check_live_settings(mine, [store for _, store in members])
-            self._store.set(SETTINGS_KEY, json.dumps({**(mine or {}), "site_size": self.site_size}))
+            self._check_live_settings(mine, sharding, [store for _, store in members])
+            published = {**(mine or {}), "site_size": self.site_size, "sharding": sharding}
+            self._store.set(SETTINGS_KEY, json.dumps(published))
         # Every rank of a site reads the same store and earlier members: its rank 0's.
         store_address, members = self._from_site_rank_zero(
             ((self.host, self._store.port if self._store else 0), members)
@@ -261,9 +265,9 @@ class TorchftMembership:
                 raise DuplicateReplicaId(message)
             logger.error("%s This worker continues; the other one stops.", message)
 
-    def _check_live_settings(self, mine: dict | None, stores: list[str]) -> None:
+    def _check_live_settings(self, mine: dict | None, sharding: str, stores: list[str]) -> None:
         """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field) or sites
-        of another number of ranks: what a member of the Lighthouse's last quorum (its store in `stores`) published,
+        of another number of ranks or sharding: what a member of the Lighthouse's last quorum (its store in `stores`) published,
         read before this worker is a participant. Nothing to compare with (a fresh job, no member reachable): the
         heal's own check remains."""
         timeout = min(self._timeouts[2], 10.0)
@@ -274,11 +278,12 @@ class TorchftMembership:
             theirs = int(peer.get("site_size", 1))
             if theirs != self.site_size:
                 raise ValueError(
-                    f"The live sites run {theirs} data-parallel rank(s) each and this site {self.replica_id!r} "
+                    f"The live sites run {theirs} rank(s) each and this site {self.replica_id!r} "
                     f"{self.site_size}: rank k of a site exchanges with rank k of the others, so every site needs the "
                     f"same number. Launch this site with {theirs} process(es) (torchrun --nproc_per_node {theirs}, "
-                    f"data_parallel_per_worker={theirs})."
+                    f"pipeline_stages x data_parallel_per_worker = {theirs})."
                 )
+            check_same_sharding(peer.get("sharding", "replicated"), sharding)
             if mine is not None and ("settings" in peer or "fingerprint" in peer):
                 check_published_settings(mine, peer)
             return

@@ -27,16 +27,18 @@ logger = logging.getLogger(__name__)
 
 
 def check_one_process_per_site(config: DiLoCoConfig, processes: int) -> None:
-    """Refuse a launch under elastic membership (`config.lighthouse` set) that is not one site: one process, or
-    `data_parallel_per_worker` data-parallel ranks of one site."""
-    if config.lighthouse and processes > 1 and processes != config.data_parallel_per_worker:
+    """Refuse a launch under elastic membership (`config.lighthouse` set) that is not one site: one process, or the
+    `pipeline_stages` x `data_parallel_per_worker` ranks of one worker."""
+    ranks = config.pipeline_stages * config.data_parallel_per_worker
+    if config.lighthouse and processes > 1 and processes != ranks:
         raise ValueError(
             f"lighthouse is set ({config.lighthouse}) but this launch has {processes} processes with "
-            f"data_parallel_per_worker {config.data_parallel_per_worker}: under elastic membership one launch is one "
-            f"site, of one process or of data_parallel_per_worker data-parallel ranks. Set data_parallel_per_worker "
-            f"to {processes} to make these processes one site (every site of the job with as many), or launch one "
-            "process per site (`torchrun --nproc_per_node 1`, or plain `python`/`hf-diloco pretrain`) with its own "
-            "`site`, or unset lighthouse for a fixed membership of these processes."
+            f"pipeline_stages x data_parallel_per_worker = {config.pipeline_stages} x "
+            f"{config.data_parallel_per_worker}: under elastic membership one launch is one site, of one process or "
+            f"of one worker's ranks. Set data_parallel_per_worker (times pipeline_stages) to {processes} to make these "
+            "processes one site (every site of the job with as many), or launch one process per site (`torchrun "
+            "--nproc_per_node 1`, or plain `python`/`hf-diloco pretrain`) with its own `site`, or unset lighthouse for "
+            "a fixed membership of these processes."
         )
 
 
@@ -44,8 +46,8 @@ def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
     """
     The `TorchftMembership` of this site when `config.lighthouse` is set, else `None` (a fixed membership).
 
-    Under membership one launch is one site: one process, or the `data_parallel_per_worker` ranks of `topology`'s one
-    worker (rank k of this site exchanges with rank k of the others). The sites find each other through the
+    Under membership one launch is one site: one process, or the ranks of `topology`'s one worker (its pipeline stages
+    and data-parallel ranks; rank k of this site exchanges with rank k of the others). The sites find each other through the
     Lighthouse, not through the launcher, so a launch of several sites is refused before anything connects.
     """
     if not config.lighthouse:
@@ -61,8 +63,8 @@ def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
         min_workers_timeout=config.min_workers_timeout,
         sync_timeout=config.membership_sync_timeout,
         host=config.site_host or None,
-        site_rank=topology.dp_index,
-        site_size=topology.data_parallel_size,
+        site_rank=topology.rank % topology.layout.worker_size,
+        site_size=topology.layout.worker_size,
         site_group=topology.control_group,
     )
 

@@ -88,8 +88,8 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
     rounds = f"{total_steps // config.inner_steps} outer round(s) in {total_steps} {steps_label}"
     if engine.elastic is not None:
         # The workers, and with them what one exchange sends, are the sites present at each exchange.
-        ranks = topology.data_parallel_size
-        per_site = "one process" if ranks == 1 else f"{ranks} data-parallel ranks"
+        parts = [(topology.data_parallel_size, "data-parallel rank"), (topology.pipeline_stages, "pipeline stage")]
+        per_site = " x ".join(_count(count, name) for count, name in parts if count > 1) or "one process"
         grid = f"elastic, site {config.site}, min_workers {config.min_workers}: {per_site} per site"
         traffic = f"each exchange among the sites present then, found by the Lighthouse at {config.lighthouse}"
     elif workers == 1:

@@ -6,7 +6,9 @@
 With DIE_AT_STEP the process dies (no clean-up, as a lost machine) at the end of that Trainer step. The environment's
 ROUND_POLICY (default `steps`) is the run's `round_policy`; with SAVE_STEPS the site checkpoints every that many
 steps, and with RESUME=1 it resumes from its last checkpoint. Launched by `torchrun --nproc_per_node D` with
-DATA_PARALLEL=D, the site is D data-parallel ranks (its rank 0 writes OUT/SITE.pt).
+DATA_PARALLEL=D, the site is D data-parallel ranks (its rank 0 writes OUT/SITE.pt); with FSDP=1 they shard the model
+with FSDP2 (the Trainer's `fsdp` argument). With PIPELINE_STAGES=S (and DATA_PARALLEL=1) the site's ranks are S
+pipeline stages.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def main() -> None:
             dataloader_pin_memory=False,
             inner_steps=2,
             data_parallel_per_worker=int(os.environ.get("DATA_PARALLEL", "1")),
+            pipeline_stages=int(os.environ.get("PIPELINE_STAGES", "1")),
             **site_membership(lighthouse, site),
             round_policy=os.environ.get("ROUND_POLICY", "steps"),
+            fsdp=os.environ.get("FSDP") == "1",
             **(
                 {"save_strategy": "steps", "save_steps": int(os.environ["SAVE_STEPS"])}
                 if "SAVE_STEPS" in os.environ
@@ -69,7 +73,8 @@ def main() -> None:
     # Each site its own data (a different seed) and its own initial weights: the first group makes them start alike.
     ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(slot))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
-    model = tiny_llama(128, layers=1, max_positions=32, heads=2, kv_heads=2, seed=slot)
+    layers = int(os.environ.get("PIPELINE_STAGES", "1"))  # a block per stage
+    model = tiny_llama(128, layers=layers, max_positions=32, heads=2, kv_heads=2, seed=slot)
     trainer = DiLoCoTrainer(
         model=model, args=args, train_dataset=data, data_collator=default_data_collator, callbacks=callbacks
     )

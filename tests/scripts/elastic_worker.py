@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--compression", default="none")
     parser.add_argument("--overlap", default="streaming")
     parser.add_argument("--sync_delay", type=int, default=0)
+    parser.add_argument("--merge_alpha", type=float, default=0.5)
     parser.add_argument("--error_feedback", action="store_true")
     parser.add_argument("--robust_clip_factor", type=float, default=0.0)
     parser.add_argument("--min_workers", type=int, default=1)
@@ -81,6 +82,7 @@ def main() -> None:
         compression=cli.compression,
         overlap=cli.overlap,
         sync_delay=cli.sync_delay,
+        merge_alpha=cli.merge_alpha,
         error_feedback=cli.error_feedback,
         robust_clip_factor=cli.robust_clip_factor,
         compression_block_size=32,

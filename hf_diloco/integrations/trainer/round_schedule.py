@@ -119,6 +119,17 @@ class RoundSchedule:
                 f"step {own_step + missed} and skips the {missed} step(s) of data it missed."
             )
 
+    def _run_epoch(self, **kwargs):
+        """One epoch, unless a heal skips every batch of it: the Trainer ends training after an epoch in which it
+        trained nothing, so an epoch the job ran without this worker is passed over here, not run empty."""
+        batches = kwargs["steps_in_epoch"]
+        if kwargs["epoch"] == kwargs["epochs_trained"] and kwargs["resume_from_checkpoint"] is not None:
+            batches -= kwargs["steps_trained_in_current_epoch"]
+        if 0 < batches <= self._batches_to_skip:
+            self._batches_to_skip -= batches
+            return None
+        return super()._run_epoch(**kwargs)
+
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """The Trainer's next batches, after the batches of the steps a heal skipped (an epoch's end stops the skip;
         the rest is skipped from the next epoch on)."""
