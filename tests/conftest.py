@@ -90,6 +90,7 @@ ELASTIC_MODULES = {
     "test_elastic_trust",
     "test_elastic_ddp_sites",
     "test_elastic_plugin",
+    "test_elastic_pretrain",
 }
 
 
