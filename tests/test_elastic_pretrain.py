@@ -100,6 +100,7 @@ def test_three_pretrain_sites_of_two_ranks_survive_a_lost_site_and_heal_it(tmp_p
         lighthouse.kill()
     logs = {path.name: path.read_text(errors="replace") for path in tmp_path.glob("*.log")}
     assert lost != 0 and codes == {"site-a": 0, "site-b": 0, "site-c": 0}, {k: v[-3000:] for k, v in logs.items()}
+    assert len(list(tmp_path.glob("died.*"))) == 2, logs["site-c-lost.log"][-3000:]  # both ranks, at the exchange
     # The survivors' exchange in flight at the loss was retried among the two; no survivor restarted.
     for site in ("site-a", "site-b"):
         assert "retrying with the workers present" in logs[f"{site}-run.log"], logs[f"{site}-run.log"][-3000:]

@@ -5,7 +5,8 @@ paced, and told by the environment where to die or wait (what a test cannot make
 
 Every inner step takes at least SITE_PACE seconds (default 0.15), so that the job outlasts a restart. SITE_DIE_AT=N:
 every rank leaves (`os._exit`, no clean-up, as a lost machine) as it enters the first exchange at or past inner step
-N, with the quorum formed: the other sites' exchange is then in flight without it. SITE_WAIT_AT=N and
+N, with the quorum formed (writing died.PID in its working folder first): the other sites' exchange is then in
+flight without it. SITE_WAIT_AT=N and
 SITE_WAIT_FOR=PATH: after step N each rank writes PATH.waiting.PID and waits (at most 180 s) for PATH, which the test
 writes once a restarted site heartbeats to the Lighthouse.
 """
@@ -43,16 +44,17 @@ def paced_training_step(step):
 
 
 def dying_attempt(attempt):
-    def _attempt(self, *args, **kwargs):
+    def dying(self, *args, **kwargs):
         if self.engine.inner_step >= DIE_AT:
+            Path(f"died.{os.getpid()}").touch()  # in the working folder: the test counts the ranks that got here
             os._exit(3)
         return attempt(self, *args, **kwargs)
 
-    return _attempt
+    return dying
 
 
 if __name__ == "__main__":
     DiLoCoTrainer.training_step = paced_training_step(DiLoCoTrainer.training_step)
     if DIE_AT:
-        ElasticRounds._attempt = dying_attempt(ElasticRounds._attempt)
+        ElasticRounds.attempt = dying_attempt(ElasticRounds.attempt)
     sys.exit(exit_status_of(main))
