@@ -1,22 +1,23 @@
-"""A worker lost and restarted mid-run: elastic membership against a whole-job restart from the last checkpoint.
+"""A site lost and restarted mid-run: elastic membership against a whole-job restart from the last checkpoint.
 
-    python -m benchmarks.elastic_outage --rate_mbit 20
+    python -m benchmarks.elastic_outage --rate_mbit 20 [--ranks_per_site 2 --sync_delay 2]
 
-Three workers (one process each) train the default Llama of `scripts/pretrain.py` with `--layers` blocks, with
-DiLoCo (`--inner_steps` H per round, fp4 with error feedback), each in a network namespace of its own, joined to the
+Three sites train the default Llama of `scripts/pretrain.py` with `--layers` blocks, with DiLoCo (`--inner_steps` H
+per round, fp4 with error feedback, the exchange behind `--sync_delay` τ inner steps), each site `--ranks_per_site`
+DDP ranks (gloo, one process each, every rank on its own batch) in a network namespace of its own, joined to the
 others by a bridge, each namespace's upload limited to `--rate_mbit` with `tc ... tbf` (`--network loopback`: one
-host, no limit). Worker 2 sleeps before the exchange of inner step `--kill_at` and is SIGKILLed while the two others
-are inside it. Two runs, one after the other:
+host, no limit). Every rank of site 2 sleeps before the exchange of inner step `--kill_at` and is SIGKILLed while
+the two other sites are inside it. Two runs, one after the other:
 
-1. **elastic**: `TorchftMembership` against a Lighthouse in this process. The survivors retry the exchange among
-   themselves and keep training; after `--restart_after` more rounds worker 2 is started again, heals from a live
-   peer and takes part from its first exchange on.
-2. **restart**: the fixed-group engine over gloo (`init_process_group` on a TCPStore), every worker writing
-   `engine.state_dict()` with its model and optimizer every `--checkpoint_every` rounds to local files. When a worker
-   dies, this process (as `torchrun --max-restarts` does) stops every worker, starts all three again and they resume
-   from the newest checkpoint all three completed.
+1. **elastic**: `TorchftMembership` against a Lighthouse in this process (one member per site). The survivors retry
+   the exchange among themselves and keep training; after `--restart_after` more rounds site 2 is started again,
+   heals every rank from the matching rank of a live site and takes part from its first exchange on.
+2. **restart**: the fixed-group engine over gloo (`init_process_group` on a TCPStore, every rank of every site),
+   every rank writing `engine.state_dict()` with its model and optimizer every `--checkpoint_every` rounds to local
+   files. When a site dies, this process (as `torchrun --max-restarts` does) stops every rank, starts all of them
+   again and they resume from the newest checkpoint all of them completed.
 
-Every worker logs each inner step's compute interval (forward, backward, optimizer step) and each committed exchange
+Every rank logs each inner step's compute interval (forward, backward, optimizer step) and each committed exchange
 in JSON lines. From them: the survivors' compute utilization (inner-step compute seconds / wall seconds) in the
 outage window (from the kill until the restarted worker's first committed exchange) and in a healthy window (the
 first committed exchange until the kill); the seconds the survivors lost at the kill (until their retried exchange
@@ -32,6 +33,7 @@ so every worker runs in its own UTS namespace (`unshare --uts`) with a host name
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -218,13 +220,16 @@ class EventLog:
 
 
 def worker_main(cli: argparse.Namespace) -> None:
-    """One worker of either run: trains `--steps` inner steps, logging each step's compute and each exchange."""
+    """One rank of a site of either run: trains `--steps` inner steps, logging each step's compute and each
+    exchange. A site of several ranks trains them as DDP ranks (gloo), each on its own batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
     from hf_diloco import DiLoCo, DiLoCoConfig
 
     signal.alarm(int(PROCESS_BOUND_SECONDS))  # a worker left behind ends on its own
     torch.set_num_threads(1)
     out = Path(cli.out)
-    event = EventLog(out / f"events_{cli.run}_{cli.attempt}_{cli.slot}.jsonl")
+    event = EventLog(out / f"events_{cli.run}_{cli.attempt}_{cli.slot}_r{cli.rank}.jsonl")
     model = build_model(cli.slot, cli.layers, cli.vocab, cli.sequence)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     config = DiLoCoConfig(
@@ -232,37 +237,67 @@ def worker_main(cli: argparse.Namespace) -> None:
         compression=cli.compression,
         error_feedback=cli.compression != "none",
         sync_timeout_seconds=cli.sync_timeout,
+        sync_delay=cli.sync_delay,
+        data_parallel_per_worker=cli.ranks,
     )
     event("starting")
+    topology = join_groups(cli)
     if cli.run == "elastic":
-        engine = DiLoCo(model, optimizer, config, membership=elastic_membership(cli))
+        engine = DiLoCo(model, optimizer, config, topology=topology, membership=elastic_membership(cli, topology))
     else:
-        engine = fixed_group_engine(cli, model, optimizer, config)
+        engine = fixed_group_engine(cli, model, optimizer, config, topology)
+    trained = model if cli.ranks == 1 else DistributedDataParallel(model, process_group=topology.data_parallel_group)
     event("training", step=engine.inner_step, stats=stats_of(engine))
     engine.exchange.delay_seconds = stall_once(cli.stall_at, engine, event)
     committed = 0 if engine.elastic is None else log_exchanges(engine, event, 0)  # a joiner's first, while joining
+    data_slot = cli.slot * cli.ranks + cli.rank
     while engine.inner_step < cli.steps:
         started = time.time()
-        batch = batch_for(cli.slot, engine.inner_step, cli.batch, cli.sequence, cli.vocab)
-        model(**batch).loss.backward()
+        batch = batch_for(data_slot, engine.inner_step, cli.batch, cli.sequence, cli.vocab)
+        trained(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         event("step", step=engine.inner_step + 1, start=started, end=time.time())
         engine.step()
         committed = log_exchanges(engine, event, committed)
         if cli.run == "restart" and engine.inner_step % (cli.checkpoint_every * cli.inner_steps) == 0:
-            save_checkpoint(out, cli.slot, engine, model, optimizer)
+            save_checkpoint(out, cli.slot, cli.rank, engine, model, optimizer)
             event("checkpoint", step=engine.inner_step)
     engine.close()
     event("closed", step=engine.inner_step, stats=stats_of(engine))
 
 
-def elastic_membership(cli: argparse.Namespace) -> object:
+def join_groups(cli: argparse.Namespace) -> object:
+    """The process groups of a rank: the restart run's fixed group of every rank of every site; an elastic site's own
+    group of its ranks (its membership finds the other sites). The topology of the rank's site (None: one process
+    per site, elastic)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hf_diloco.core.topology import Topology
+
+    timeout = timedelta(seconds=cli.sync_timeout)
+    if cli.run == "restart":
+        rank, world = cli.slot * cli.ranks + cli.rank, WORKERS * cli.ranks
+        dist.init_process_group("gloo", init_method=f"tcp://{cli.store}", rank=rank, world_size=world, timeout=timeout)
+    elif cli.ranks > 1:
+        address = f"tcp://127.0.0.1:{cli.site_port}"
+        dist.init_process_group("gloo", init_method=address, rank=cli.rank, world_size=cli.ranks, timeout=timeout)
+    else:
+        return None
+    return Topology.from_default_group(1, cli.ranks, cli.sync_timeout)
+
+
+def elastic_membership(cli: argparse.Namespace, topology: object) -> object:
     from hf_diloco.core.torchft_membership import TorchftMembership
 
     return TorchftMembership(
         cli.lighthouse,
         f"worker{cli.slot}",
+        site_rank=cli.rank,
+        site_size=cli.ranks,
+        site_group=None if topology is None else topology.control_group,
         min_workers=cli.min_workers,
         start_workers=cli.start_workers,
         min_workers_timeout=120.0,
@@ -273,47 +308,41 @@ def elastic_membership(cli: argparse.Namespace) -> object:
     )
 
 
-def fixed_group_engine(cli: argparse.Namespace, model: torch.nn.Module, optimizer: object, config: object) -> object:
-    """The engine over a fixed gloo group of the three workers, resumed from the newest complete checkpoint."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
+def fixed_group_engine(
+    cli: argparse.Namespace, model: torch.nn.Module, optimizer: object, config: object, topology: object
+) -> object:
+    """The engine over a fixed gloo group of the three sites' ranks, resumed from the newest complete checkpoint."""
     from hf_diloco import DiLoCo
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{cli.store}",
-        rank=cli.slot,
-        world_size=WORKERS,
-        timeout=timedelta(seconds=cli.sync_timeout),
-    )
-    engine = DiLoCo(model, optimizer, config)
-    step = newest_complete_checkpoint(Path(cli.out))
+    engine = DiLoCo(model, optimizer, config, topology=topology)
+    step = newest_complete_checkpoint(Path(cli.out), cli.ranks)
     if step is not None:
-        state = torch.load(checkpoint_path(Path(cli.out), step, cli.slot), weights_only=False)
+        state = torch.load(checkpoint_path(Path(cli.out), step, cli.slot, cli.rank), weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         engine.load_state_dict(state["engine"])
     return engine
 
 
-def checkpoint_path(out: Path, step: int, slot: int) -> Path:
-    return out / "checkpoints" / f"step{step:06d}_worker{slot}.pt"
+def checkpoint_path(out: Path, step: int, slot: int, rank: int) -> Path:
+    return out / "checkpoints" / f"step{step:06d}_worker{slot}_r{rank}.pt"
 
 
-def save_checkpoint(out: Path, slot: int, engine: object, model: torch.nn.Module, optimizer: object) -> None:
-    path = checkpoint_path(out, engine.inner_step, slot)
+def save_checkpoint(
+    out: Path, slot: int, rank: int, engine: object, model: torch.nn.Module, optimizer: object
+) -> None:
+    path = checkpoint_path(out, engine.inner_step, slot, rank)
     path.parent.mkdir(exist_ok=True)
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "engine": engine.state_dict()}
     torch.save(state, path.with_suffix(".tmp"))
     path.with_suffix(".tmp").rename(path)  # a worker killed while writing leaves no file that looks complete
 
 
-def newest_complete_checkpoint(out: Path) -> int | None:
-    """The newest inner step at which every worker's checkpoint is on disk."""
-    steps = [int(path.name[4:10]) for path in (out / "checkpoints").glob("step*_worker0.pt")]
-    complete = [s for s in steps if all(checkpoint_path(out, s, slot).exists() for slot in range(WORKERS))]
+def newest_complete_checkpoint(out: Path, ranks: int) -> int | None:
+    """The newest inner step at which every rank's checkpoint is on disk."""
+    steps = [int(path.name[4:10]) for path in (out / "checkpoints").glob("step*_worker0_r0.pt")]
+    every = [(slot, rank) for slot in range(WORKERS) for rank in range(ranks)]
+    complete = [s for s in steps if all(checkpoint_path(out, s, *where).exists() for where in every)]
     return max(complete, default=None)
 
 
@@ -354,73 +383,88 @@ def log_exchanges(engine: object, event: EventLog, committed: int) -> int:
 
 
 class Job:
-    """Worker processes of one run, each started in its namespace, with its events and output in `out`."""
+    """Sites of one run, each of `ranks` processes started in its namespace, with their events and output in `out`."""
 
-    def __init__(self, network: Star | Loopback, out: Path, common: list[str]):
-        self.network, self.out, self.common = network, out, common
+    def __init__(self, network: Star | Loopback, out: Path, common: list[str], ranks: int):
+        self.network, self.out, self.common, self.ranks = network, out, common, ranks
         out.mkdir(parents=True, exist_ok=True)
-        self.processes: dict[tuple[int, int], subprocess.Popen] = {}
+        self.processes: dict[tuple[int, int], list[subprocess.Popen]] = {}
         self.started: dict[tuple[int, int], float] = {}
 
-    def start(self, run: str, attempt: int, slot: int, *args: str) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "benchmarks.elastic_outage", "worker", "--run", run, "--attempt", str(attempt)]
-        argv += ["--slot", str(slot), "--out", str(self.out), *self.common, *args]
-        log = (self.out / f"{run}_{attempt}_{slot}.log").open("ab")
-        env = dict(os.environ, RUST_LOG="warn", OMP_NUM_THREADS="1")
+    def start(self, run: str, attempt: int, slot: int, *args: str) -> None:
+        """Start every rank of site `slot` (a site of several ranks meets on a port of its own namespace)."""
+        site = ["--site_port", str(free_port())] if self.ranks > 1 else []
         self.started[attempt, slot] = time.time()
-        process = subprocess.Popen(
-            [*self.network.exec_prefix(slot), *argv],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            start_new_session=True,  # its own process group: `ip netns exec`, `unshare` and python die together
-        )
-        self.processes[attempt, slot] = process
-        return process
+        self.processes[attempt, slot] = []
+        for rank in range(self.ranks):
+            argv = [sys.executable, "-m", "benchmarks.elastic_outage", "worker", "--run", run]
+            argv += ["--attempt", str(attempt), "--slot", str(slot), "--rank", str(rank), "--out", str(self.out)]
+            log = (self.out / f"{run}_{attempt}_{slot}_r{rank}.log").open("ab")
+            env = dict(os.environ, RUST_LOG="warn", OMP_NUM_THREADS="1")
+            process = subprocess.Popen(
+                [*self.network.exec_prefix(slot), *argv, *self.common, *site, *args],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,  # its own process group: `ip netns exec`, `unshare` and python die together
+            )
+            self.processes[attempt, slot].append(process)
 
-    def events(self, run: str, attempt: int, slot: int) -> list[dict]:
-        path = self.out / f"events_{run}_{attempt}_{slot}.jsonl"
+    def events(self, run: str, attempt: int, slot: int, rank: int = 0) -> list[dict]:
+        path = self.out / f"events_{run}_{attempt}_{slot}_r{rank}.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
+    def site_events(self, run: str, attempt: int, slot: int) -> list[list[dict]]:
+        """Each rank's events of a site."""
+        return [self.events(run, attempt, slot, rank) for rank in range(self.ranks)]
+
     def wait_for(self, run: str, attempt: int, slot: int, predicate: Callable[[dict], bool], what: str) -> dict:
+        """The first event of the site's rank 0 that `predicate` accepts."""
         deadline = time.monotonic() + PROCESS_BOUND_SECONDS
         while time.monotonic() < deadline:
             for event in self.events(run, attempt, slot):
                 if predicate(event):
                     return event
-            process = self.processes[attempt, slot]
-            if process.poll() is not None:
-                raise RuntimeError(f"worker {slot} of the {run} run exited ({process.returncode}) before {what}; see "
-                                   f"{self.out / f'{run}_{attempt}_{slot}.log'}")  # fmt: skip
+            exited = [p.returncode for p in self.processes[attempt, slot] if p.poll() is not None]
+            if exited:
+                raise RuntimeError(f"site {slot} of the {run} run exited ({exited}) before {what}; see "
+                                   f"{self.out / f'{run}_{attempt}_{slot}_r*.log'}")  # fmt: skip
             time.sleep(0.05)
-        raise TimeoutError(f"worker {slot} of the {run} run did not reach {what} within {PROCESS_BOUND_SECONDS:g}s")
+        raise TimeoutError(f"site {slot} of the {run} run did not reach {what} within {PROCESS_BOUND_SECONDS:g}s")
 
     def kill(self, attempt: int, slot: int) -> float:
-        """SIGKILL the worker's process group; returns when."""
-        process = self.processes[attempt, slot]
-        os.killpg(process.pid, signal.SIGKILL)
+        """SIGKILL every rank of the site (each its process group) at once; returns when."""
+        processes = self.processes[attempt, slot]
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
         killed = time.time()
-        process.wait()
+        for process in processes:
+            process.wait()
         return killed
 
     def finish(self, attempt: int) -> dict[int, int]:
+        """Each site's exit code (the first nonzero of its ranks)."""
         deadline = time.monotonic() + PROCESS_BOUND_SECONDS
         codes = {}
-        for (run_attempt, slot), process in self.processes.items():
-            if run_attempt == attempt:
+        for (run_attempt, slot), processes in self.processes.items():
+            if run_attempt != attempt:
+                continue
+            for process in processes:
                 try:
-                    codes[slot] = process.wait(timeout=max(1.0, deadline - time.monotonic()))
+                    code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    codes[slot] = -signal.SIGKILL
+                    code = -signal.SIGKILL
                     self.kill(run_attempt, slot)
+                codes[slot] = codes.get(slot) or code
         return codes
 
     def close(self) -> None:
-        for (attempt, slot), process in self.processes.items():
-            if process.poll() is None:
+        for (attempt, slot), processes in self.processes.items():
+            if any(process.poll() is None for process in processes):
                 self.kill(attempt, slot)
 
 
@@ -440,9 +484,8 @@ def run_elastic(network: Star | Loopback, args: argparse.Namespace, out: Path, c
         join_timeout_ms=int(args.join_timeout * 1000),
         heartbeat_timeout_ms=int(args.heartbeat_timeout * 1000),
     )
-    job = Job(
-        network, out, [*common, "--lighthouse", f"http://{network.lighthouse_host}:{lighthouse_port(lighthouse)}"]
-    )
+    address = f"http://{network.lighthouse_host}:{lighthouse_port(lighthouse)}"
+    job = Job(network, out, [*common, "--lighthouse", address], args.ranks_per_site)
     try:
         for slot in range(WORKERS):
             stall = ["--stall_at", str(args.kill_at)] if slot == VICTIM else []
@@ -462,8 +505,11 @@ def run_elastic(network: Star | Loopback, args: argparse.Namespace, out: Path, c
             )
         codes[VICTIM] = job.finish(1)[VICTIM]
         check_exit_codes("elastic", 0, codes, out)
-        survivors = [job.events("elastic", 0, slot) for slot in range(WORKERS) if slot != VICTIM]
-        return elastic_figures(survivors, job.events("elastic", 1, VICTIM), killed, job.started[1, VICTIM], args)
+        survivors = [
+            events for slot in range(WORKERS) if slot != VICTIM for events in job.site_events("elastic", 0, slot)
+        ]
+        joiner = job.site_events("elastic", 1, VICTIM)
+        return elastic_figures(survivors, joiner, killed, job.started[1, VICTIM], args)
     finally:
         job.close()
         lighthouse.shutdown()
@@ -476,7 +522,7 @@ def lighthouse_port(lighthouse: object) -> int:
 def run_restart(
     network: Star | Loopback, args: argparse.Namespace, out: Path, common: list[str], window: float
 ) -> dict:
-    job = Job(network, out, [*common, "--checkpoint_every", str(args.checkpoint_every)])
+    job = Job(network, out, [*common, "--checkpoint_every", str(args.checkpoint_every)], args.ranks_per_site)
     try:
         store = ["--store", f"{network.host(0)}:{free_port()}"]
         for slot in range(WORKERS):
@@ -494,8 +540,8 @@ def run_restart(
         for slot in range(WORKERS):
             job.start("restart", 1, slot, *store)
         check_exit_codes("restart", 1, job.finish(1), out)
-        before = [job.events("restart", 0, slot) for slot in range(WORKERS)]
-        after = [job.events("restart", 1, slot) for slot in range(WORKERS)]
+        before = [job.site_events("restart", 0, slot) for slot in range(WORKERS)]
+        after = [job.site_events("restart", 1, slot) for slot in range(WORKERS)]
         return restart_figures(before, after, killed, restarted, window, args)
     finally:
         job.close()
@@ -548,14 +594,17 @@ def step_seconds(events: list[dict]) -> float:
 
 
 def elastic_figures(
-    survivors: list[list[dict]], joiner: list[dict], killed: float, joiner_started: float, args: argparse.Namespace
-) -> dict:
-    joined = first(joiner, "training")
+    survivors: list[list[dict]], joiner: list[list[dict]], killed: float, joiner_started: float,
+    args: argparse.Namespace,
+) -> dict:  # fmt: skip
+    """`survivors`: the events of each rank of the surviving sites; `joiner`: of each rank of the restarted site."""
+    joined = first(joiner[0], "training")
     join_step = joined["step"]
     rejoined = max([joined["time"], *(committed_at(events, join_step) for events in survivors)])
     recovered = max(committed_at(events, args.kill_at) for events in survivors)
-    finished = max(first(events, "closed")["time"] for events in survivors + [joiner])
+    finished = max(first(events, "closed")["time"] for events in survivors + joiner)
     exchanges = [e for e in survivors[0] if e["kind"] == "exchange" and not e.get("final")]
+    healed = [first(events, "training")["stats"] for events in joiner]
     return {
         "step_seconds": mean([step_seconds(events) for events in survivors]),
         "healthy_utilization": mean([healthy_utilization(events, args) for events in survivors]),
@@ -565,11 +614,13 @@ def elastic_figures(
         "lost_seconds_at_kill": recovered - killed,
         "retries_at_kill": next(e["retries"] for e in exchanges if e["step"] == args.kill_at),
         "rounds_with_two": sum(1 for e in exchanges if e["contributors"] == 2),
+        "exchanges_in_background": sum(1 for e in exchanges if e.get("background")),
+        "exchanges": len(exchanges),
         "joiner_restarted_after_seconds": joiner_started - killed,
         "joiner_join_step": join_step,
-        "joiner_heal_bytes": joined["stats"]["heal_bytes"],
-        "joiner_heal_seconds": joined["stats"]["heal_seconds"],
-        "joiner_start_to_python_ready_seconds": first(joiner, "starting")["time"] - joiner_started,
+        "joiner_heal_bytes": sum(stats["heal_bytes"] for stats in healed),  # every rank of the site
+        "joiner_heal_seconds": max(stats["heal_seconds"] for stats in healed),
+        "joiner_start_to_python_ready_seconds": first(joiner[0], "starting")["time"] - joiner_started,
         "joiner_start_to_first_exchange_seconds": joined["time"] - joiner_started,
         "steps_redone": 0,
         "kill_to_finish_seconds": finished - killed,
@@ -577,30 +628,37 @@ def elastic_figures(
 
 
 def restart_figures(
-    before: list[list[dict]], after: list[list[dict]], killed: float, restarted: float, window: float,
+    before: list[list[list[dict]]], after: list[list[list[dict]]], killed: float, restarted: float, window: float,
     args: argparse.Namespace,
 ) -> dict:  # fmt: skip
-    done_before = [max((e["step"] for e in events if e["kind"] == "step"), default=0) for events in before]
-    resumed_at = [first(events, "training")["step"] for events in after]
-    trains_again = max(first(events, "step")["end"] for events in after)
-    finished = max(first(events, "closed")["time"] for events in after)
+    """`before` and `after`: per site, the events of each of its ranks in the run killed and in the restarted one."""
+    done_before = [max((e["step"] for e in site[0] if e["kind"] == "step"), default=0) for site in before]
+    resumed_at = [first(site[0], "training")["step"] for site in after]
+    every_after = [events for site in after for events in site]
+    trains_again = max(first(events, "step")["end"] for events in every_after)
+    finished = max(first(events, "closed")["time"] for events in every_after)
     survivors = [slot for slot in range(WORKERS) if slot != VICTIM]
 
     def fresh(slot: int) -> Callable[[int], bool]:
         return lambda step: step > done_before[slot]
 
+    def over_survivors(figure: Callable[[int, list[dict]], float], runs: list[list[list[dict]]]) -> float:
+        return mean([figure(slot, events) for slot in survivors for events in runs[slot]])
+
     return {
-        "step_seconds": mean([step_seconds(before[slot]) for slot in survivors]),
-        "healthy_utilization": mean([healthy_utilization(before[slot], args) for slot in survivors]),
+        "step_seconds": over_survivors(lambda slot, events: step_seconds(events), before),
+        "healthy_utilization": over_survivors(lambda slot, events: healthy_utilization(events, args), before),
         "resumed_at_step": resumed_at[0],
-        "steps_redone": sum(max(0, done - resumed) for done, resumed in zip(done_before, resumed_at)),
+        "steps_redone": sum(max(0, done - resumed) for done, resumed in zip(done_before, resumed_at))
+        * args.ranks_per_site,
         "kill_to_training_seconds": trains_again - killed,
         "restart_to_training_seconds": trains_again - restarted,
-        "restart_to_python_ready_seconds": max(first(events, "starting")["time"] for events in after) - restarted,
+        "restart_to_python_ready_seconds": max(first(events, "starting")["time"] for events in every_after)
+        - restarted,
         "window_seconds": window,
-        "window_utilization": mean([utilization(after[slot], killed, killed + window) for slot in survivors]),
-        "window_useful_utilization": mean(
-            [utilization(after[slot], killed, killed + window, fresh(slot)) for slot in survivors]
+        "window_utilization": over_survivors(lambda slot, events: utilization(events, killed, killed + window), after),
+        "window_useful_utilization": over_survivors(
+            lambda slot, events: utilization(events, killed, killed + window, fresh(slot)), after
         ),
         "kill_to_finish_seconds": finished - killed,
     }
@@ -609,29 +667,33 @@ def restart_figures(
 # ----------------------------------------------------------------------------------------------- the report
 
 
-def table(elastic: dict, restart: dict, caption: str) -> str:
-    """The outage table in markdown: one column per way of surviving the lost worker."""
+def table(elastic: dict, restart: dict, caption: str, ranks: int = 1, sync_delay: int = 0) -> str:
+    """The outage table in markdown: one column per way of surviving the lost site."""
+    restarted = "one" if ranks == 1 else f"{ranks} at once"
     rows = [
         ("inner step (median), s", f"{elastic['step_seconds']:.3f}", f"{restart['step_seconds']:.3f}"),
         ("survivors' utilization, healthy rounds", pct(elastic["healthy_utilization"]), pct(restart["healthy_utilization"])),
         ("kill -> survivors train again, s",
          f"{elastic['lost_seconds_at_kill']:.1f} (their exchange retried among two)",
          f"{restart['kill_to_training_seconds']:.1f} (every worker restarted)"),
-        ("inner steps redone (all workers)", "0", f"{restart['steps_redone']} (resumed at step {restart['resumed_at_step']})"),
-        ("outage window: kill -> worker 2's first exchange, s", f"{elastic['outage_seconds']:.1f}", "same length"),
+        ("inner steps redone (all ranks)", "0", f"{restart['steps_redone']} (resumed at step {restart['resumed_at_step']})"),
+        ("outage window: kill -> site 2's first exchange, s", f"{elastic['outage_seconds']:.1f}", "same length"),
         ("survivors' utilization in that window",
          f"{pct(elastic['outage_utilization'])} ({pct(elastic['after_retry_utilization'])} after the retried exchange)",
          f"{pct(restart['window_utilization'])} ({pct(restart['window_useful_utilization'])} on steps not redone)"),
         ("restarted processes: start -> imports done, model built, s",
-         f"{elastic['joiner_start_to_python_ready_seconds']:.1f} (one)",
-         f"{restart['restart_to_python_ready_seconds']:.1f} (three at once)"),
+         f"{elastic['joiner_start_to_python_ready_seconds']:.1f} ({restarted})",
+         f"{restart['restart_to_python_ready_seconds']:.1f} ({WORKERS * ranks} at once)"),
         ("restarted processes: start -> training, s",
          f"{elastic['joiner_start_to_first_exchange_seconds']:.1f} (to its first exchange)",
          f"{restart['restart_to_training_seconds']:.1f} (to the last one's first step)"),
-        ("worker 2's state: bytes / transfer s",
+        ("site 2's state: bytes / transfer s",
          f"{elastic['joiner_heal_bytes'] / 1e6:.2f} MB / {elastic['joiner_heal_seconds']:.2f} (from a live peer)",
          "its checkpoint, local disk"),
         ("kill -> job finished, s", f"{elastic['kill_to_finish_seconds']:.1f}", f"{restart['kill_to_finish_seconds']:.1f}"),
+        ("a survivor's exchanges run behind the inner steps",
+         f"{elastic.get('exchanges_in_background', 0)} of {elastic.get('exchanges', 0)}",
+         "every one" if sync_delay else "none (τ = 0)"),
     ]  # fmt: skip
     lines = ["| | elastic (torchft) | whole-job restart |", "|---|---|---|"]
     lines += [f"| {name} | {left} | {right} |" for name, left, right in rows]
@@ -648,13 +710,16 @@ def caption_for(args: argparse.Namespace, parameters: int) -> str:
         if args.network == "netns"
         else "loopback, no rate limit"
     )
+    ranks = args.ranks_per_site
+    sites = "one process each" if ranks == 1 else f"{ranks} DDP ranks each (gloo)"
+    overlap = f"the exchange behind τ = {args.sync_delay} inner steps (streaming)" if args.sync_delay else "τ = 0"
     return (
-        f"3 workers, one process each ({parameters / 1e6:.2f} M-parameter Llama: the pretrain default with "
+        f"3 sites, {sites} ({parameters / 1e6:.2f} M-parameter Llama: the pretrain default with "
         f"{args.layers} blocks; {args.batch}x{args.sequence} tokens "
-        f"per inner step, H = {args.inner_steps}, codec {args.compression}, {args.steps} inner steps), {link}, "
-        f"sharing one machine's CPU cores. Worker 2 is SIGKILLed with the exchange of inner step {args.kill_at} in "
-        f"flight; elastic: restarted after {args.restart_after} more rounds; restart: every worker restarted at once "
-        f"from the newest checkpoint (every {args.checkpoint_every} rounds, local files) as soon as worker 2 is "
+        f"per rank and inner step, H = {args.inner_steps}, {overlap}, codec {args.compression}, {args.steps} inner "
+        f"steps), {link}, sharing one machine's CPU cores. Every rank of site 2 is SIGKILLed with the exchange of inner "
+        f"step {args.kill_at} in flight; elastic: restarted after {args.restart_after} more rounds; restart: every site restarted at once "
+        f"from the newest checkpoint (every {args.checkpoint_every} rounds, local files) as soon as site 2 is "
         f"dead. Survivors blocked in an exchange with a dead peer wait out its bound, sync_timeout = "
         f"{args.sync_timeout:g} s, before they retry; Lighthouse join timeout {args.join_timeout:g} s, heartbeat "
         f"timeout {args.heartbeat_timeout:g} s."
@@ -683,6 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--heartbeat_timeout", type=float, default=5.0, help="Lighthouse: silence after which a worker is dead."
     )
+    parser.add_argument("--ranks_per_site", type=int, default=1, help="DDP ranks per site (one process each).")
+    parser.add_argument("--sync_delay", type=int, default=0, help="τ: steps the exchange runs behind (streaming).")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--sequence", type=int, default=128)
@@ -703,6 +770,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             f"--steps {args.steps} leaves too few rounds after --kill_at {args.kill_at} and --restart_after "
             f"{args.restart_after} for the restarted worker to join: raise --steps"
         )
+    if not 0 <= args.sync_delay < h or args.ranks_per_site < 1:
+        parser.error("--sync_delay must be in [0, --inner_steps) and --ranks_per_site at least 1")
     if args.checkpoint_every * h > args.kill_at:
         parser.error(
             f"--checkpoint_every {args.checkpoint_every} rounds: no checkpoint before --kill_at {args.kill_at}"
@@ -714,6 +783,8 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--run", choices=("elastic", "restart"), required=True)
     parser.add_argument("--attempt", type=int, required=True)
     parser.add_argument("--slot", type=int, required=True)
+    parser.add_argument("--rank", type=int, default=0, help="This process's rank in its site.")
+    parser.add_argument("--site_port", type=int, default=0, help="Elastic, several ranks: the site group's port.")
     parser.add_argument("--out", required=True)
     parser.add_argument("--lighthouse", default=None)
     parser.add_argument("--store", default=None)
@@ -721,7 +792,7 @@ def worker_parser() -> argparse.ArgumentParser:
     parser.add_argument("--min_workers", type=int, default=1)
     parser.add_argument("--stall_at", type=int, default=0)
     parser.add_argument("--checkpoint_every", type=int, default=0)
-    for name in ("steps", "inner_steps", "layers", "vocab", "sequence", "batch"):
+    for name in ("steps", "inner_steps", "layers", "vocab", "sequence", "batch", "ranks", "sync_delay"):
         parser.add_argument(f"--{name}", type=int, required=True)
     parser.add_argument("--compression", required=True)
     parser.add_argument("--sync_timeout", type=float, required=True)
@@ -737,7 +808,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     check_arguments(parser, args)
     common = [f"--{name}={getattr(args, name)}" for name in
-              ("steps", "inner_steps", "layers", "vocab", "sequence", "batch", "compression", "sync_timeout")]  # fmt: skip
+              ("steps", "inner_steps", "layers", "vocab", "sequence", "batch", "compression", "sync_timeout",
+               "sync_delay")] + [f"--ranks={args.ranks_per_site}"]  # fmt: skip
     parameters = sum(p.numel() for p in build_model(0, args.layers, args.vocab, args.sequence).parameters())
     if args.network == "netns":
         cleanup_stale_stars()
@@ -761,7 +833,7 @@ def main(argv: list[str] | None = None) -> dict:
         "elastic": elastic,
         "restart": restart,
         "caption": caption,
-        "table": table(elastic, restart, caption),
+        "table": table(elastic, restart, caption, args.ranks_per_site, args.sync_delay),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
