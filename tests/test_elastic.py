@@ -92,26 +92,33 @@ def check_lost_and_joined(job: ElasticJob, lost_at: int, tau: int = 0) -> None:
     assert job.final("worker0")["summary"]["drops"] >= 1 and job.final("worker0")["summary"]["joins"] >= 1
 
 
-def test_a_killed_worker_is_dropped_mid_exchange_and_rejoins(job):
-    """SIGKILL with the exchange in flight: the two others retry among themselves and go on; restarted, the worker
-    heals from a live peer at the next exchange and the three finish with the same θg as the reference."""
-    lost_at, go = 12, job.out / "restarted"
-    survivor_args = ["--start_workers", "3", "--wait_at", str(lost_at + H + 2), "--wait_file", str(go)]
+def kill_mid_exchange_and_restart(job: ElasticJob, lost_at: int, args: list[str], wait_at: int) -> None:
+    """Workers 0 and 1 run with `args`; worker 2 stalls inside the exchange of inner step `lost_at` and is SIGKILLed
+    there. Once the two committed that exchange without it, worker 2 starts again (`min_workers` 2); the two, waiting
+    at `wait_at`, go on when it heartbeats to the Lighthouse (their next quorum waits for it). All three end with 0."""
+    go = job.out / "restarted"
+    survivor_args = [*args, "--start_workers", "3", "--wait_at", str(wait_at), "--wait_file", str(go)]
     job.start(0, *survivor_args)
     job.start(1, *survivor_args)
-    victim = job.start(2, "--start_workers", "3", "--stall_at", str(lost_at), "--stall_seconds", "60")
+    victim = job.start(2, *args, "--start_workers", "3", "--stall_at", str(lost_at), "--stall_seconds", "60")
     job.wait_for("worker2", lambda e: e["kind"] == "stalling")
     time.sleep(0.5)  # the others are inside the exchange now, waiting for this worker
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
     restarted = time.time()
-    job.start(2, "--min_workers", "2")  # the same replica name and slot, a new process
-    # Released once the new process heartbeats to the Lighthouse, the others' next quorum waits for it.
+    job.start(2, *args, "--min_workers", "2")  # the same replica name and slot, a new process
     job.wait_for("worker2", lambda e: e["kind"] == "bound" and e["time"] > restarted, timeout=120)
     go.touch()
     codes = job.finish()
     assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
+
+
+def test_a_killed_worker_is_dropped_mid_exchange_and_rejoins(job):
+    """SIGKILL with the exchange in flight: the two others retry among themselves and go on; restarted, the worker
+    heals from a live peer at the next exchange and the three finish with the same θg as the reference."""
+    lost_at = 12
+    kill_mid_exchange_and_restart(job, lost_at, [], wait_at=lost_at + H + 2)
     check_lost_and_joined(job, lost_at)
 
 
@@ -120,23 +127,8 @@ def test_a_worker_lost_with_a_background_exchange_in_flight_matches_the_referenc
     SIGKILL with the survivors' exchange in flight: they find it failed when it is due, retry it among the two and
     apply it at the same step; restarted, the worker heals at the next launch and joins the exchange running then.
     θg is bitwise equal on the three and equal within 1e-5 to the plain-torch reference of those rounds."""
-    lost_at, go = 12, job.out / "restarted"
-    mode = ["--sync_delay", "1", "--merge_alpha", "0"]
-    survivor_args = [*mode, "--start_workers", "3", "--wait_at", str(lost_at + H + 2), "--wait_file", str(go)]
-    job.start(0, *survivor_args)
-    job.start(1, *survivor_args)
-    victim = job.start(2, *mode, "--start_workers", "3", "--stall_at", str(lost_at), "--stall_seconds", "60")
-    job.wait_for("worker2", lambda e: e["kind"] == "stalling")
-    time.sleep(0.5)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
-    restarted = time.time()
-    job.start(2, *mode, "--min_workers", "2")
-    job.wait_for("worker2", lambda e: e["kind"] == "bound" and e["time"] > restarted, timeout=120)
-    go.touch()
-    codes = job.finish()
-    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
+    lost_at = 12
+    kill_mid_exchange_and_restart(job, lost_at, ["--sync_delay", "1", "--merge_alpha", "0"], wait_at=lost_at + H + 2)
     check_lost_and_joined(job, lost_at, tau=1)
     survivor = exchanges(job, "worker0")
     assert all(entry["background"] for entry in survivor.values()), survivor  # the retried one too, first
@@ -215,24 +207,9 @@ def test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join(job, mode)
     """fp4 with error feedback in every overlap mode: a worker lost with an exchange in flight and restarted; every
     worker ends with the same θg and the membership counters say what happened. The delayed case also clips
     outliers (`robust_clip_factor`), its joiner's zeros left out of the median."""
-    lost_at, go = 12, job.out / "restarted"
+    lost_at = 12
     codec = ["--compression", "fp4", "--error_feedback", *mode]
-    survivor_args = [*codec, "--start_workers", "3", "--wait_at", str(lost_at + 3), "--wait_file", str(go)]
-    job.start(0, *survivor_args)
-    job.start(1, *survivor_args)
-    victim = job.start(2, *codec, "--start_workers", "3", "--stall_at", str(lost_at), "--stall_seconds", "60")
-    job.wait_for("worker2", lambda e: e["kind"] == "stalling")
-    time.sleep(0.5)
-    victim.kill()
-    victim.wait()
-    job.wait_for("worker0", lambda e: e["kind"] == "exchange" and e["step"] == lost_at)
-    restarted = time.time()
-    job.start(2, *codec, "--min_workers", "2")
-    # Released once the new process heartbeats to the Lighthouse, the others' next quorum waits for it.
-    job.wait_for("worker2", lambda e: e["kind"] == "bound" and e["time"] > restarted, timeout=120)
-    go.touch()
-    codes = job.finish()
-    assert codes == {"worker0": 0, "worker1": 0, "worker2": 0}, {n: job.log(n) for n in codes}
+    kill_mid_exchange_and_restart(job, lost_at, codec, wait_at=lost_at + 3)
     theta = assert_same_global(job, ["worker0", "worker1", "worker2"])
     assert all(bool(torch.isfinite(value).all()) for value in theta.values())
     survivor = exchanges(job, "worker0")
