@@ -337,9 +337,10 @@ def _row(mode: str, rate: float, runs: list[dict], tcp_rate: float | None) -> di
         "transfer_seconds": None,
         "link_efficiency": None,
     }
-    if mode.startswith("exchange"):
+    transfer = statistics.median(run.get("transfer_seconds", 0.0) for run in runs)
+    if mode.startswith("exchange") and transfer > 0:
         # The exchange's payload transfers alone (its coding and copies excluded): what the projection calls transfer.
-        transfer = statistics.median(run["transfer_seconds"] for run in runs)
+        # None for an exchange in pipelined pieces: its coding runs while its pieces travel, nothing to take apart.
         row["transfer_seconds"] = transfer
         row["link_efficiency"] = nominal / transfer
     return row

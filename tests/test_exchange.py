@@ -214,6 +214,37 @@ def test_the_average_written_into_out_is_the_fresh_average_bit_for_bit(workers):
                 assert torch.equal(fresh.view(torch.int32), into.view(torch.int32)), where
 
 
+def _pieces_against_whole(rank: int, world: int) -> dict:
+    """Each codec's `reduce_scatter` exchange of one vector, whole and in pieces (`pipelined_exchange`, its piece
+    size lowered so that a 98,304-value vector is cut): average, residual and bytes sent, and how many pieces."""
+    from hf_diloco.core import pipelined_exchange
+
+    topology, numel, found = Topology.from_default_group(), 3 * 8 * 4096, {}
+    for name in ("none", "fp4", "sign", "topk"):
+        codec = make_codec(name, block_size=64)
+        for piece_values in (1 << 40, 64):
+            pipelined_exchange.PIECE_VALUES = piece_values
+            exchange = OuterExchange(topology, codec, keep_residual=True)
+            result = exchange.launch(_vector(rank, numel), f"test {name}").wait()
+            pieces = pipelined_exchange.pipeline_pieces(numel // world, codec.align)
+            found[name, pieces > 1] = (result.average.clone(), result.residual.clone(), result.bytes_sent, pieces)
+            exchange.close()
+    return found
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_an_exchange_in_pieces_is_the_whole_exchange_bit_for_bit(workers):
+    """A long shard exchanged in K pipelined pieces (both phases on the wire at once) averages, keeps a residual and
+    counts bytes exactly as the exchange of the whole chunk, for every kind of codec: values, block scales, top-k."""
+    for rank, found in enumerate(run_on_processes(_pieces_against_whole, workers)):
+        for name in ("none", "fp4", "sign", "topk"):
+            whole, pieces = found[name, False], found[name, True]
+            assert whole[3] == 1 and pieces[3] >= 6, (name, whole[3], pieces[3])
+            for a, b in zip(whole[:2], pieces[:2]):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (workers, rank, name)
+            assert whole[2] == pieces[2], (workers, rank, name, whole[2], pieces[2])
+
+
 def _error_feedback_rounds(rank: int, world: int, pattern: str, rounds: int) -> dict:
     exchange = OuterExchange(
         Topology.from_default_group(), make_codec("sign", block_size=64), keep_residual=True, pattern=pattern

@@ -55,6 +55,7 @@ from .codecs import COMPRESSIONS, Codec, check_output_vector, coding_pool
 from .config import EXCHANGE_PATTERNS
 from .lowrank import LowRankCompressor
 from .lowrank_split import SplitLowRank
+from .pipelined_exchange import pipeline_pieces, pipelined_reduce_scatter
 from .shard import ShardLayout
 from .topology import Topology, gather_rows
 
@@ -63,7 +64,8 @@ from .topology import Topology, gather_rows
 # 3: an engine's exchange among a fixed group starts with its schedule tag (`ScheduleTag`). 4: low rank with D > 1
 # data-parallel ranks averages each rank's own matrices' factors and share of the rest (`lowrank_split.py`).
 # 5: payloads travel as point-to-point messages, receives posted first (`exchange_point_to_point`).
-WIRE_FORMAT = 5
+# 6: a long `reduce_scatter` shard travels in K pieces, both phases pipelined (`pipelined_exchange.py`).
+WIRE_FORMAT = 6
 
 
 @dataclass(frozen=True)
@@ -599,7 +601,7 @@ class _ExchangeJob:
             self.link_seconds += time.perf_counter() - started
             self.averaged_bound += ex.wire_bytes(numel, codec, shards, self.outer.size)
             self.averaged_sent += sent
-        full, intra = self._gather_inside_worker(averaged_shard) if split else (averaged_shard, 0)
+        full, intra = gather_inside_worker(topo, averaged_shard) if split else (averaged_shard, 0)
         self.sent, self.intra = self.sent + sent, self.intra + intra
         if residual is not None:
             # Only this rank encodes its shard, so only that part of the residual ever matters here.
@@ -623,6 +625,14 @@ class _ExchangeJob:
         pool = self.exchange.coding_pool()
         chunks = shard.chunk(workers)
         chunk_numel = chunks[0].numel()
+        pieces = 1 if self.exchange.entropy_coding else pipeline_pieces(chunk_numel, codec.align)
+        if pieces > 1:
+            keep = self.exchange.keep_residual
+            payloads, residual, sent = pipelined_reduce_scatter(
+                list(chunks), pieces, codec, self.outer.group, self.outer.rank, divisor, pool,
+                lambda encoded: self._dropped(shard, encoded, codec) if keep else None,
+            )  # fmt: skip
+            return self._decoded(payloads, codec, shard.numel(), out), residual, sent
         encoded = [codec.encode(chunk, pool) for chunk in chunks]
         residual = self._dropped(shard, encoded, codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all(encoded, codec.encoded_nbytes(chunk_numel))
@@ -688,13 +698,14 @@ class _ExchangeJob:
             parts = [inflate_payload(part, nbytes, worker, pool) for worker, part in enumerate(parts)]
         return parts, sent
 
-    def _gather_inside_worker(self, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
-        topo = self.exchange.topology
-        if topo.data_parallel_size == 1 or topo.data_parallel_sync_group is None:
-            return shard, 0
-        gathered = torch.empty(topo.data_parallel_size * shard.numel(), dtype=shard.dtype)
-        dist.all_gather(list(gathered.chunk(topo.data_parallel_size)), shard, group=topo.data_parallel_sync_group)
-        return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
+
+def gather_inside_worker(topo: Topology, shard: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Each data-parallel rank's averaged shard to every rank of the worker: the whole vector, and the bytes sent."""
+    if topo.data_parallel_size == 1 or topo.data_parallel_sync_group is None:
+        return shard, 0
+    gathered = torch.empty(topo.data_parallel_size * shard.numel(), dtype=shard.dtype)
+    dist.all_gather(list(gathered.chunk(topo.data_parallel_size)), shard, group=topo.data_parallel_sync_group)
+    return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
 
 
 def exchange_point_to_point(
