@@ -60,9 +60,8 @@ def run_sites(
     **variables: str,
 ) -> tuple[list[int], dict[str, str]]:
     """Start a Lighthouse and the two sites (a site in `die_at` dies at the end of that step; `variables` go to
-    their environment; with `ranks` > 1 each site is a torchrun of that many ranks, DATA_PARALLEL or
-    PIPELINE_STAGES in `variables` saying which), then stop the
-    Lighthouse; their exit codes and logs."""
+    their environment; with `ranks` > 1 each site is a torchrun of that many ranks, DATA_PARALLEL or PIPELINE_STAGES
+    in `variables` saying which), then stop the Lighthouse; their exit codes and logs."""
     env = site_environment(**variables, ROUND_POLICY=round_policy)
     with lighthouse_and_sites(env) as (port, sites):
         for slot, site in enumerate(SITES):
@@ -92,6 +91,20 @@ def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_pa
         assert f"elastic, site {site}, min_workers 1" in logs[site], logs[site]
     card = (tmp_path / "site-a" / "README.md").read_text()
     assert "| Worker membership | elastic: 2 exchanges among 2 workers; 0 drop(s), 0 join(s)" in card, card
+
+
+def test_two_trainer_sites_overlap_each_exchange_with_the_next_inner_step(tmp_path):
+    """Streaming with τ = 1 through `DiLoCoTrainer` under membership: both exchanges run behind the next inner step
+    (completed when they are applied) and the two sites end with the same θg."""
+    codes, logs = run_sites(tmp_path, SYNC_DELAY="1")
+    assert codes == [0, 0], logs
+    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
+    for name, value in a["global"].items():
+        assert torch.equal(value, b["global"][name]), name
+    for result in (a, b):
+        summary = result["summary"]
+        assert summary["exchanges"] == 2 and summary["in_background"] == 2, summary
+        assert summary["fewest_workers"] == 2, summary
 
 
 SITES_OF_TWO_RANKS = {

@@ -84,7 +84,8 @@ class MembershipLog:
 
     def summary(self) -> dict:
         """Exchanges, the fewest and most workers in one, joins and drops (rises and falls of the group size
-        between consecutive exchanges), retries, heals and their bytes and seconds."""
+        between consecutive exchanges), retries, heals, exchanges run behind the inner steps, and the heals' bytes
+        and seconds."""
         sizes = [entry["workers"] for entry in self.rounds]
         changes = [after - before for before, after in zip(sizes, sizes[1:])]
         return {
@@ -95,6 +96,7 @@ class MembershipLog:
             "drops": -sum(change for change in changes if change < 0),
             "retries": sum(entry["retries"] for entry in self.rounds),
             "heals": sum(1 for entry in self.rounds if entry["healed"]),
+            "in_background": sum(1 for entry in self.rounds if entry.get("background")),
             "heal_bytes": self.heal_bytes,
             "heal_seconds": round(self.heal_seconds, 3),
         }

@@ -4,7 +4,7 @@
     python tests/scripts/elastic_trainer_site.py LIGHTHOUSE SITE SLOT OUT [DIE_AT_STEP]
 
 With DIE_AT_STEP the process dies (no clean-up, as a lost machine) at the end of that Trainer step. The environment's
-ROUND_POLICY (default `steps`) is the run's `round_policy`; with SAVE_STEPS the site checkpoints every that many
+ROUND_POLICY (default `steps`) is the run's `round_policy` and SYNC_DELAY its τ; with SAVE_STEPS the site checkpoints every that many
 steps, and with RESUME=1 it resumes from its last checkpoint. Launched by `torchrun --nproc_per_node D` with
 DATA_PARALLEL=D, the site is D data-parallel ranks (its rank 0 writes OUT/SITE.pt); with FSDP=1 they shard the model
 with FSDP2 (the Trainer's `fsdp` argument). With PIPELINE_STAGES=S (and DATA_PARALLEL=1) the site's ranks are S
@@ -62,6 +62,7 @@ def main() -> None:
             pipeline_stages=int(os.environ.get("PIPELINE_STAGES", "1")),
             **site_membership(lighthouse, site),
             round_policy=os.environ.get("ROUND_POLICY", "steps"),
+            sync_delay=int(os.environ.get("SYNC_DELAY", "0")),
             fsdp=os.environ.get("FSDP") == "1",
             **(
                 {"save_strategy": "steps", "save_steps": int(os.environ["SAVE_STEPS"])}
