@@ -134,6 +134,17 @@ class ElasticJob:
         self.lighthouse.shutdown()
 
 
+def sites_ended_alike(folder: Path, sites: list[str], codes: list[int], logs: dict[str, str]) -> list[dict]:
+    """Every site exited with 0 and saved (FOLDER/SITE.pt) the same θg, bit for bit; their saved results."""
+    assert codes == [0] * len(sites), logs
+    results = [torch.load(folder / f"{site}.pt", weights_only=False) for site in sites]
+    for site, other in zip(sites[1:], results[1:]):
+        assert other["global"].keys() == results[0]["global"].keys(), site
+        for name, value in results[0]["global"].items():
+            assert torch.equal(value, other["global"][name]), (site, name)
+    return results
+
+
 def assert_same_global(job: ElasticJob, replicas: list[str]) -> dict[str, torch.Tensor]:
     finals = {replica: job.final(replica)["global"] for replica in replicas}
     first = finals[replicas[0]]

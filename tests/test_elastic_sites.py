@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import free_port
+from tests.elastic_common import sites_ended_alike
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "scripts" / "elastic_trainer_site.py"
@@ -79,11 +80,7 @@ def run_sites(
 @pytest.mark.parametrize("round_policy", ["steps", "balanced"])
 def test_two_trainer_sites_from_the_config_end_with_the_same_global_model(tmp_path, round_policy):
     codes, logs = run_sites(tmp_path, round_policy=round_policy)
-    assert codes == [0, 0], logs
-    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
-    assert a["global"].keys() == b["global"].keys()
-    for name, value in a["global"].items():
-        assert torch.equal(value, b["global"][name]), name
+    a, b = sites_ended_alike(tmp_path, SITES, codes, logs)
     # 4 steps of H=2: 2 exchanges, both with both sites (start_workers=2).
     for result in (a, b):
         assert result["summary"]["exchanges"] == 2 and result["summary"]["fewest_workers"] == 2, result["summary"]
@@ -97,10 +94,7 @@ def test_two_trainer_sites_overlap_each_exchange_with_the_next_inner_step(tmp_pa
     """Streaming with τ = 1 through `DiLoCoTrainer` under membership: both exchanges run behind the next inner step
     (completed when they are applied) and the two sites end with the same θg."""
     codes, logs = run_sites(tmp_path, SYNC_DELAY="1")
-    assert codes == [0, 0], logs
-    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
-    for name, value in a["global"].items():
-        assert torch.equal(value, b["global"][name]), name
+    a, b = sites_ended_alike(tmp_path, SITES, codes, logs)
     for result in (a, b):
         summary = result["summary"]
         assert summary["exchanges"] == 2 and summary["in_background"] == 2, summary
@@ -120,10 +114,7 @@ def test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model(tmp_
     over the two) or two pipeline stages. One member per site, both exchanges with both sites, θg bitwise equal, the
     start-up line naming the site's ranks."""
     codes, logs = run_sites(tmp_path, ranks=2, **SITES_OF_TWO_RANKS[kind])
-    assert codes == [0, 0], logs
-    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
-    for name, value in a["global"].items():
-        assert torch.equal(value, b["global"][name]), name
+    a, b = sites_ended_alike(tmp_path, SITES, codes, logs)
     for result in (a, b):
         assert result["summary"]["exchanges"] == 2 and result["summary"]["most_workers"] == 2, result["summary"]
     for site in SITES:
@@ -151,10 +142,7 @@ def test_trainer_sites_lost_with_their_lighthouse_resume_from_their_checkpoints(
         state = torch.load(tmp_path / site / "checkpoint-2" / "diloco_state_rank0.pt", weights_only=True)["engine"]
         assert state["inner_step"] == 2 and state["elastic_progress"] > 0 and state["outer_optimizer"], site
     codes, logs = run_sites(tmp_path, SAVE_STEPS="2", RESUME="1")
-    assert codes == [0, 0], logs
-    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
-    for name, value in a["global"].items():
-        assert torch.equal(value, b["global"][name]), name
+    a, b = sites_ended_alike(tmp_path, SITES, codes, logs)
     for result in (a, b):
         assert result["summary"]["exchanges"] == 1 and result["summary"]["fewest_workers"] == 2, result["summary"]
 

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.dist_utils import free_port
+from tests.elastic_common import sites_ended_alike
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "tests" / "scripts" / "readme_elastic_snippet.py"
@@ -49,10 +50,7 @@ def run_sites(folder: Path, die_at: int | None = None) -> tuple[list[int], dict[
 def both_sites_end_alike(tmp_path, exchanges: int) -> dict:
     """Both sites exit 0 with the same θg after `exchanges` exchanges of both sites; returns site a's result."""
     codes, logs = run_sites(tmp_path)
-    assert codes == [0, 0], logs
-    a, b = (torch.load(tmp_path / f"{site}.pt", weights_only=False) for site in SITES)
-    for name, value in a["global"].items():
-        assert torch.equal(value, b["global"][name]), name
+    a, b = sites_ended_alike(tmp_path, SITES, codes, logs)
     for result in (a, b):
         summary = result["summary"]
         assert summary["exchanges"] == exchanges and summary["fewest_workers"] == 2, summary
