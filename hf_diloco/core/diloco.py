@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -286,9 +287,12 @@ class DiLoCo:
     def _launch(self, fragment: Fragment) -> None:
         start = self.overlap.round_start(fragment)
         moved = fragment.moved_from(start)
-        fragment.record_drift(moved, start)
+        moved_squared = fragment.record_drift(moved, start)
         delta = fragment.with_residual(moved)
-        self.stats.pseudo_grad_norm = float(delta.norm())
+        if fragment.residual is None and moved_squared is not None:  # delta is `moved`, whose norm drift just took
+            self.stats.pseudo_grad_norm = math.sqrt(moved_squared)
+        else:
+            self.stats.pseudo_grad_norm = float(delta.norm())
         if self.elastic is not None:
             self.elastic.launch(fragment, delta)
             return

@@ -628,11 +628,11 @@ class _ExchangeJob:
         pieces = 1 if self.exchange.entropy_coding else pipeline_pieces(chunk_numel, codec.align)
         if pieces > 1:
             keep = self.exchange.keep_residual
-            payloads, residual, sent = pipelined_reduce_scatter(
+            return pipelined_reduce_scatter(
                 list(chunks), pieces, codec, self.outer.group, self.outer.rank, divisor, pool,
                 lambda encoded: self._dropped(shard, encoded, codec) if keep else None,
+                self.exchange.scratch, out,
             )  # fmt: skip
-            return self._decoded(payloads, codec, shard.numel(), out), residual, sent
         encoded = [codec.encode(chunk, pool) for chunk in chunks]
         residual = self._dropped(shard, encoded, codec) if self.exchange.keep_residual else None
         received, sent = self._all_to_all(encoded, codec.encoded_nbytes(chunk_numel))

@@ -146,13 +146,15 @@ class Fragment:
         """Δm = start - θm (start: where the round began), plus the error-feedback residual not yet sent."""
         return self.with_residual(self.moved_from(start))
 
-    def record_drift(self, moved: torch.Tensor, start: torch.Tensor) -> None:
+    def record_drift(self, moved: torch.Tensor, start: torch.Tensor) -> float | None:
         """Keep ||θm - θg||² and ||θg||² from `moved` = start - θm, just read at a launch, so that logging the drift
         never reads the model: with start = θg (streaming, delayed) ||θm - θg|| is ||moved||; eager's start a_m is
-        not θg, and θg - θm = moved - (a_m - θg) is summed piece by piece, on the host vectors only."""
+        not θg, and θg - θm = moved - (a_m - θg) is summed piece by piece, on the host vectors only. Returns
+        ||moved||² where it was computed (start = θg), so that the caller need not read `moved` again for it."""
+        moved_squared = None
         with torch.no_grad():
             if start is self.theta_g:
-                difference = float(torch.dot(moved, moved))
+                difference = moved_squared = float(torch.dot(moved, moved))
             else:
                 difference = 0.0
                 for first in range(0, moved.numel(), _STEP_PIECE):
@@ -160,6 +162,7 @@ class Fragment:
                     gap = moved[piece] - start[piece] + self.theta_g[piece]
                     difference += float(torch.dot(gap, gap))
             self.drift = (difference, float(torch.dot(self.theta_g, self.theta_g)))
+        return moved_squared
 
     def moved_from(self, start: torch.Tensor) -> torch.Tensor:
         """start - θm, in a buffer of `buffers` when there is one and θg lives on the CPU. Over parameters narrower

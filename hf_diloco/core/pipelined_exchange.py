@@ -46,24 +46,38 @@ def pipelined_reduce_scatter(
     divisor: int,
     pool: Executor | None,
     residual_of: Callable[[list[torch.Tensor]], torch.Tensor | None],
-) -> tuple[list[torch.Tensor], torch.Tensor | None, int]:
-    """The average over the workers of `chunks[me]`, every worker's chunk j going to worker j, then each average to
-    every worker: the payloads of the averaged shard (worker-major, piece-minor: consecutive equal parts of the
-    shard), the residual `residual_of` computes from this worker's own encoded pieces, and the bytes sent."""
+    scratch: Callable[[int], torch.Tensor],
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The average over the workers of the shard `chunks` splits, every worker's chunk j going to worker j, then each
+    average to every worker, in `out` (fp32, the shard's length) or a fresh vector; the residual `residual_of`
+    computes from this worker's own encoded pieces; the bytes sent. `scratch(n)`: n reusable bytes.
+
+    Codec `none` sends fp32 as it lies: its payload is the values' own bytes, so the pieces leave from the shard, the
+    average is summed straight into `out` and sent from there, and the peers' averages land in `out` too; no payload
+    is copied, and the host's passes are the sum's alone. Other codecs receive into scratch and decode at the end."""
     workers = len(chunks)
     numel = chunks[0].numel() // pieces
     nbytes = codec.encoded_nbytes(numel)
     peers = [j for j in range(workers) if j != me]
-    arriving = {(j, k): torch.empty(nbytes, dtype=torch.uint8) for j in peers for k in range(pieces)}
-    averaged = {(j, k): torch.empty(nbytes, dtype=torch.uint8) for j in peers for k in range(pieces)}
+    out = torch.empty(workers * pieces * numel, dtype=torch.float32) if out is None else out
+    as_sent = codec.name == "none"  # the payload of `none` is the fp32 values' bytes (`Codec._encode_piece`)
+    out_pieces = [part.split(numel) for part in out.split(chunks[0].numel())]  # [worker][piece], views of `out`
+    keys = [(j, k) for j in peers for k in range(pieces)]  # (peer, piece), in the order messages are posted
+    arriving = dict(zip(keys, scratch(len(keys) * nbytes).split(nbytes)))
+    if as_sent:
+        averaged = {(j, k): _as_payload(out_pieces[j][k]) for j, k in keys}
+    else:
+        averaged = dict(zip(keys, scratch(len(keys) * nbytes).split(nbytes)))
     receives = {
         key: dist.irecv(buffer, group=group, group_src=key[0]) for key, buffer in arriving.items()
     }  # phase 1 first, for every peer
     later = [dist.irecv(buffer, group=group, group_src=j) for (j, _), buffer in averaged.items()]
+    encode = _as_payload if as_sent else (lambda values: codec.encode(values, pool))
     sends, encoded = [], [[] for _ in chunks]
     for k in range(pieces):  # piece k leaves while piece k + 1 is encoded
         for j, chunk in enumerate(chunks):
-            encoded[j].append(codec.encode(chunk[k * numel : (k + 1) * numel], pool))
+            encoded[j].append(encode(chunk[k * numel : (k + 1) * numel]))
         sends += [dist.isend(encoded[j][k], group=group, group_dst=j) for j in peers]
     residual = residual_of([payload for row in encoded for payload in row])  # while the pieces travel
     own_average = []
@@ -71,10 +85,19 @@ def pipelined_reduce_scatter(
         for j in peers:
             receives[j, k].wait()
         contributions = [encoded[me][k] if j == me else arriving[j, k] for j in range(workers)]
-        average = codec.decode_sum(contributions, numel, pool).div_(divisor)
-        own_average.append(codec.encode(average, pool))
+        average = codec.decode_sum(contributions, numel, pool, out=out_pieces[me][k]).div_(divisor)
+        own_average.append(encode(average))
         sends += [dist.isend(own_average[k], group=group, group_dst=j) for j in peers]
     for work in later + sends:
         work.wait()
-    payloads = [own_average[k] if j == me else averaged[j, k] for j in range(workers) for k in range(pieces)]
-    return payloads, residual, 2 * len(peers) * pieces * nbytes
+    if not as_sent:  # every worker's average as the others decode it, this worker's own too
+        for j in range(workers):
+            for k in range(pieces):
+                payload = own_average[k] if j == me else averaged[j, k]
+                codec.decode(payload, numel, out=out_pieces[j][k], pool=pool)
+    return out, residual, 2 * len(peers) * pieces * nbytes
+
+
+def _as_payload(values: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous fp32 `values`, which codec `none` sends, as a view."""
+    return values.view(torch.uint8)
