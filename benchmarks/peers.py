@@ -47,6 +47,7 @@ AGREEING = ["hf_diloco", "torchft", "reference"]  # the fp32 DiLoCo ones: the sa
 SIZES = {
     7: dict(hidden_size=256, intermediate_size=688, num_hidden_layers=6, num_attention_heads=4, vocab_size=4096),
     33: dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8, vocab_size=8192),
+    110: dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, vocab_size=16384),
     # For the plumbing test: a few thousand parameters.
     0: dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64),
 }
