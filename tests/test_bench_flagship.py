@@ -50,9 +50,15 @@ def test_table_borrows_ddp_of_the_same_seed_and_refuses_ddp_runs_that_disagree(t
         flagship.main(["--table", *map(str, paths)])
 
 
-@pytest.mark.parametrize("name", ["slow_link"])
-def test_shipped_config_becomes_a_diloco_spec_of_two_workers(name):
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("slow_link", {"compression": "fp4", "entropy_coding": "true", "inner_steps": "120"}),
+        ("sign_link", {"compression": "sign", "error_feedback": "true", "outer_lr": "1.25", "inner_steps": "120"}),
+    ],
+)
+def test_shipped_config_becomes_a_diloco_spec_of_two_workers(name, expected):
     spec = flagship.config_method(name)
     assert spec.startswith("diloco:") and spec.endswith("@2")
     settings = dict(item.split("=") for item in spec[len("diloco:") : -len("@2")].split(","))
-    assert settings["compression"] == "fp4" and settings["entropy_coding"] == "true"
+    assert expected.items() <= settings.items()

@@ -183,7 +183,10 @@ def test_config_by_name_or_path(tmp_path):
 def test_configs_command_lists_and_prints(capsys):
     assert configs.main([]) == 0
     listing = capsys.readouterr().out
-    assert all(name in listing for name in ("tiny_diloco", "tiny_ddp", "streaming_diloco", "diloco_x", "slow_link"))
+    assert all(
+        name in listing
+        for name in ("tiny_diloco", "tiny_ddp", "streaming_diloco", "diloco_x", "slow_link", "sign_link")
+    )
     # Each description is a whole sentence, wrapped, never cut: the streaming one spans three comment lines.
     assert "deflated (lossless) where that is shorter." in " ".join(listing.split())
     assert all(len(line) <= 119 for line in listing.splitlines())
