@@ -12,9 +12,10 @@ the inner optimizer, fp32 throughout, H inner steps per outer round:
 - `accelerate`: `accelerate.local_sgd.LocalSGD` (the parameters averaged every H steps; no outer optimizer).
 
 The DiLoCo ones use Nesterov SGD outside (lr 0.7, momentum 0.9). Per step each worker records this process's CPU
-time (`time.process_time()`, every thread of the process: gloo's and torchft's too) and wall time at four points:
-before the forward, after AdamW's update (a step post hook registered before any implementation's), and after the
-implementation's step. A sync is what the implementation does after AdamW's update on the last step of a round (for
+time (`time.process_time()`, every thread of the process: gloo's and torchft's too) and wall time at five points:
+before the forward, after AdamW's update (a step post hook registered before any implementation's), after the
+implementation's step, and after `zero_grad` (the step's end; releasing the gradients is the allocator's work, which
+varies with what else the process holds, so it counts in the step's time and not in the implementation's). A sync is what the implementation does after AdamW's update on the last step of a round (for
 torchft: its quorum, all_reduce, should_commit and outer step; both workers leave a barrier just before it, so wall
 time does not count waiting for the other worker's compute). Reported per implementation: the median CPU time of an
 inner step without a sync, the median CPU time the implementation adds to such a step, and the CPU and wall time of
@@ -199,6 +200,7 @@ def _worker(rank: int, spec: dict) -> None:
                 clock.resume()
             optimizer.step()
             after_step()
+            clock.implementation_done()  # the gradients' release below is the allocator's, not the implementation's
             optimizer.zero_grad(set_to_none=True)
             steps.append(clock.stop(t, sync, (t - 1) // H + 1))
             if sync:
@@ -249,15 +251,18 @@ class StepClock:
     def after_update(self, *_args) -> None:
         self.update = self.now()
 
+    def implementation_done(self) -> None:
+        self.done = self.now()
+
     def stop(self, t: int, sync: bool, round_index: int) -> dict:
-        cpu, wall = self.now()
+        cpu, _ = self.now()
         return {
             "t": t,
             "round": round_index,
             "sync": sync,
             "step_cpu": cpu - self.begin[0] - self.paused_cpu,
-            "hook_cpu": cpu - self.update[0],
-            "hook_wall": wall - self.update[1],
+            "hook_cpu": self.done[0] - self.update[0],
+            "hook_wall": self.done[1] - self.update[1],
         }
 
 
