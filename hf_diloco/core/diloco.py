@@ -163,11 +163,14 @@ class DiLoCo:
         self.inner_step += 1
         if self.elastic is not None:  # an exchange running behind the inner steps completes first, when due
             self.elastic.background.finish_due(self.inner_step)
+        flights = [fragment.flight for fragment in self.fragments]
         self.overlap.apply_due(self.fragments, self.inner_step)
-        for index in self.round_policy.launches(self.inner_step):
+        launches = self.round_policy.launches(self.inner_step)
+        for index in launches:
             self._launch(self.fragments[index])
         round_ended = self.round_policy.end_round_if_due(self.inner_step, self.clock)
-        self._count_outer_state()
+        if launches or round_ended or _flights_changed(self.fragments, flights):  # what the outer state holds moved
+            self._count_outer_state()
         self.clock.step_ends(round_ended)
 
     @property
@@ -289,10 +292,7 @@ class DiLoCo:
         moved = fragment.moved_from(start)
         moved_squared = fragment.record_drift(moved, start)
         delta = fragment.with_residual(moved)
-        if fragment.residual is None and moved_squared is not None:  # delta is `moved`, whose norm drift just took
-            self.stats.pseudo_grad_norm = math.sqrt(moved_squared)
-        else:
-            self.stats.pseudo_grad_norm = float(delta.norm())
+        self.stats.pseudo_grad_norm = _norm(delta, moved_squared if fragment.residual is None else None)
         if self.elastic is not None:
             self.elastic.launch(fragment, delta)
             return
@@ -422,6 +422,17 @@ def relative_drift(fragments: Sequence[Fragment]) -> float:
     squared_diff = sum(difference for difference, _ in measured)
     squared_norm = sum(norm for _, norm in measured)
     return (squared_diff / squared_norm) ** 0.5 if squared_norm > 0 else 0.0
+
+
+def _norm(delta: torch.Tensor, squared: float | None) -> float:
+    """||delta||, from its squared norm where that is known already (the drift's ||moved||², when delta is `moved`)."""
+    return math.sqrt(squared) if squared is not None else float(delta.norm())
+
+
+def _flights_changed(fragments: Sequence[Fragment], before: list[InFlight | None]) -> bool:
+    """Whether an exchange was applied or launched since `before`: only then does the outer state change between
+    steps (counting it reads every held tensor, which a step between rounds should not pay for)."""
+    return any(fragment.flight is not flight for fragment, flight in zip(fragments, before))
 
 
 def _step_after_close(inner_step: int) -> RuntimeError:
