@@ -15,10 +15,11 @@ The DiLoCo ones use Nesterov SGD outside (lr 0.7, momentum 0.9). Per step each w
 time (`time.process_time()`, every thread of the process: gloo's and torchft's too) and wall time at five points:
 before the forward, after AdamW's update (a step post hook registered before any implementation's), after the
 implementation's step, and after `zero_grad` (the step's end; releasing the gradients is the allocator's work, which
-varies with what else the process holds, so it counts in the step's time and not in the implementation's). A sync is what the implementation does after AdamW's update on the last step of a round (for
-torchft: its quorum, all_reduce, should_commit and outer step; both workers leave a barrier just before it, so wall
-time does not count waiting for the other worker's compute). Reported per implementation: the median CPU time of an
-inner step without a sync, the median CPU time the implementation adds to such a step, and the CPU and wall time of
+varies with what else the process holds, so it counts in the step's time and not in the implementation's). A sync
+is what the implementation does after AdamW's update on the last step of a round (for torchft: its quorum,
+all_reduce, should_commit and outer step; both workers leave a barrier just before it, so wall time does not count
+waiting for the other worker's compute). Reported per implementation: the median CPU time of an inner step without a
+sync, the median CPU time the implementation adds to such a step, and the CPU and wall time of
 a sync per GB of fp32 model (the median over the rounds after the first; the first builds groups and buffers).
 θg after each round is compared between `hf_diloco` (none), `torchft` and `reference` (max abs difference).
 """

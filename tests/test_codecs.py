@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_diloco.core.codecs import Codec, make_codec, quantization_residual
+from hf_diloco.core.codecs import CODECS, Codec, make_codec, quantization_residual
 
 NAMES = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
 BLOCK_NAMES = ("fp16", "int8", "fp8", "fp4")
@@ -217,6 +217,16 @@ def test_none_payload_is_the_fp32_bytes() -> None:
     x = torch.randn(77)
     payload = make_codec("none").encode(x)
     assert payload.numpy().tobytes() == x.numpy().astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_only_a_codec_whose_payload_is_the_fp32_bytes_says_so(name: str) -> None:
+    """An exchange sends the values where they lie for a codec with `payload_is_values` (no encode, no decode)."""
+    codec = make_codec(name, 128, "fp32")
+    x = torch.randn(4096)
+    payload = codec.encode(x)
+    is_the_bytes = payload.numel() == 4 * x.numel() and payload.numpy().tobytes() == x.numpy().astype("<f4").tobytes()
+    assert codec.payload_is_values == is_the_bytes == (name == "none")
 
 
 def test_int8_golden_bytes() -> None:

@@ -157,6 +157,13 @@ class Codec:
         """The codec for `compression=cls.name` (codecs without scale blocks ignore both arguments)."""
         return cls()
 
+    @property
+    def payload_is_values(self) -> bool:
+        """Whether a payload is the fp32 values' own bytes (codec `none`: a codec that keeps this class's piece
+        coding), so that an exchange may send values where they lie and receive them where they go."""
+        kind = type(self)
+        return kind._encode_piece is Codec._encode_piece and kind.encoded_nbytes is Codec.encoded_nbytes
+
     def encoded_nbytes(self, numel: int) -> int:
         """Bytes of the payload that `encode` returns for `numel` values."""
         self._check_numel(numel)

@@ -61,7 +61,7 @@ def pipelined_reduce_scatter(
     nbytes = codec.encoded_nbytes(numel)
     peers = [j for j in range(workers) if j != me]
     out = torch.empty(workers * pieces * numel, dtype=torch.float32) if out is None else out
-    as_sent = codec.name == "none"  # the payload of `none` is the fp32 values' bytes (`Codec._encode_piece`)
+    as_sent = codec.payload_is_values
     out_pieces = [part.split(numel) for part in out.split(chunks[0].numel())]  # [worker][piece], views of `out`
     keys = [(j, k) for j in peers for k in range(pieces)]  # (peer, piece), in the order messages are posted
     arriving = dict(zip(keys, scratch(len(keys) * nbytes).split(nbytes)))
