@@ -308,3 +308,29 @@ def test_gpu_writes_land_in_the_parameters_without_a_gpu_temporary():
     assert torch.cuda.current_stream().query()  # nothing of the write is still queued
     assert torch.cuda.max_memory_allocated() - before < 1 << 20  # the piece is 32 MiB in bf16
     assert torch.equal(model[0].weight.cpu(), engine.global_parameters()["0.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(inner_steps=4, sync_delay=1),  # streaming's τ: applied one step after the launch, not a launch step
+        dict(inner_steps=4, num_fragments=2, sync_delay=1),
+        dict(inner_steps=4, overlap="delayed"),
+    ],
+)
+def test_the_outer_state_figure_is_current_after_every_step(case):
+    """The engine counts `outer_state_bytes` only at a step where an exchange was launched or applied or a round
+    ended; after every step it must equal a count made then (one worker: the exchange is local)."""
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(**case))
+    figures = []
+    for t in range(1, 14):
+        inner_step(model, optimizer, 0, t)
+        engine.step()
+        reported = engine.stats["outer_state_bytes"]
+        engine._count_outer_state()  # counting now, whatever the step did
+        figures.append(reported)
+        assert reported == engine.stats["outer_state_bytes"], (t, figures)
+    assert len(set(figures)) > 1  # the figure did move with the exchanges
+    engine.close()
