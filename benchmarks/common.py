@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_diloco.core.exchange import ScheduleTag
-from hf_diloco.core.projection import pattern_bytes
+from hf_diloco.core.exchange.exchange import ScheduleTag
+from hf_diloco.core.settings.projection import pattern_bytes
 
 RESULTS_DIR = "benchmarks/results"  # where stored results go, relative to the repository root (commands run there)
 
@@ -264,7 +264,7 @@ def train_worker(
     """
     if observer is None:
         return _train(rank, world, method, args, folder)
-    from hf_diloco.core.stats import register_round_observer
+    from hf_diloco.core.rounds.stats import register_round_observer
 
     handle = register_round_observer(observer)
     try:

@@ -72,7 +72,7 @@ def scaled_per_parameter(sizes, vector, own, average, workers: int | None):
     """`vector` with each parameter's values (`sizes`: values per piece) times the least-squares w of `average` on
     `own` over that parameter, clipped to [1/M, 1] as the engine does (`workers` = M), or not clipped (`workers`
     None)."""
-    from hf_diloco.core.overlap import fitted_estimate_weight
+    from hf_diloco.core.rounds.overlap import fitted_estimate_weight
 
     scaled = vector.detach().clone()
     for out, mine, mean in zip(scaled.split(sizes), own.split(sizes), average.split(sizes)):
@@ -130,7 +130,7 @@ def recording_blocking_worker(rank: int, world: int, method: str, args: argparse
     does not have, made after the round's average is known, so the training is unchanged."""
     import torch.distributed as dist
 
-    from hf_diloco.core.overlap import fitted_estimate_weight
+    from hf_diloco.core.rounds.overlap import fitted_estimate_weight
 
     records: list[dict] = []
     before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fragment -> last round's (own Δm, average)

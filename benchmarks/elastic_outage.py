@@ -275,7 +275,7 @@ def join_groups(cli: argparse.Namespace) -> object:
 
     import torch.distributed as dist
 
-    from hf_diloco.core.topology import Topology
+    from hf_diloco.core.layout.topology import Topology
 
     timeout = timedelta(seconds=cli.sync_timeout)
     if cli.run == "restart":
@@ -290,7 +290,7 @@ def join_groups(cli: argparse.Namespace) -> object:
 
 
 def elastic_membership(cli: argparse.Namespace, topology: object) -> object:
-    from hf_diloco.core.torchft_membership import TorchftMembership
+    from hf_diloco.backends.torchft_membership import TorchftMembership
 
     return TorchftMembership(
         cli.lighthouse,

@@ -3,7 +3,7 @@
     python -m benchmarks.fragment_sizes --num_fragments 4 --patterns strided balanced
 
 Builds each model on the meta device (no memory, no download: the shapes are written below from the published
-configs), partitions it exactly as the engine does (`core/fragments.py`: `strided` and `sequential` put every parameter
+configs), partitions it exactly as the engine does (`core/layout/fragments.py`: `strided` and `sequential` put every parameter
 outside the block stack in fragment 0, `balanced` cuts those matrices into P row pieces) with each `--patterns` and
 prints each fragment's share of the parameters. With one codec
 for the whole model, a sync's bytes are proportional to its fragment's parameters (per-block scales and padding
@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from hf_diloco.core.config import FRAGMENT_PATTERNS
+from hf_diloco.core.settings.config import FRAGMENT_PATTERNS
 
 
 def decoder(model_type: str, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, tied: bool):
@@ -50,7 +50,7 @@ def fragment_shares(fields: dict, num_fragments: int, pattern: str = "strided") 
     """(parameter count, share of each fragment) of a randomly shaped model on the meta device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from hf_diloco.core.fragments import find_block_stack, partition_fragments
+    from hf_diloco.core.layout.fragments import find_block_stack, partition_fragments
 
     fields = dict(fields)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)

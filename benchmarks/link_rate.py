@@ -15,7 +15,7 @@ best, the same as one TCP stream of S bytes. For every rate this measures, each 
 Seconds are the slower end's, from a barrier to the end of the transfer; `of the rate` = the nominal time at R
 (bytes each way x 8 / R) / the measured time; `of TCP` = the achieved rate / the median `tcp` rate at that R. For
 the exchanges, `s in transfers` is the time inside their payload transfers (the rank that reached them last; coding
-and copies excluded), and its share of the rate is what `hf_diloco.core.projection` calls the link efficiency (the
+and copies excluded), and its share of the rate is what `hf_diloco.core.settings.projection` calls the link efficiency (the
 projection counts the coding as host CPU). Run it with `--modes tcp,all_to_all,exchange` from a checkout without
 `exchange_point_to_point` to measure that package. Needs root and iproute2.
 
@@ -154,14 +154,14 @@ def gloo_role(spec: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from hf_diloco.core.codecs import make_codec
-    from hf_diloco.core.exchange import OuterExchange, ScheduleTag
+    from hf_diloco.core.compression.codecs import make_codec
+    from hf_diloco.core.exchange.exchange import OuterExchange, ScheduleTag
 
     try:
-        from hf_diloco.core.exchange import exchange_point_to_point
+        from hf_diloco.core.exchange.exchange import exchange_point_to_point
     except ImportError:  # a package without it (measuring an older checkout): its own exchanges only
         exchange_point_to_point = None
-    from hf_diloco.core.topology import Topology
+    from hf_diloco.core.layout.topology import Topology
 
     torch.set_num_threads(1)
     rank = spec["rank"]
@@ -210,7 +210,7 @@ def _time_transfers() -> list[float]:
     copies excluded). Wraps `exchange_point_to_point`, or in a package without it the `all_to_all_single` it used."""
     import torch.distributed as dist
 
-    from hf_diloco.core import exchange as exchange_module
+    from hf_diloco.core.exchange import exchange as exchange_module
 
     total = [0.0]
     owner, name = (exchange_module, "exchange_point_to_point")

@@ -54,11 +54,11 @@ def _rank_main(rank: int, world: int, port: int, job: dict, out: str) -> None:
 
 
 def _measure_rank(args: argparse.Namespace) -> dict:
-    from hf_diloco.core.codecs import make_codec
-    from hf_diloco.core.exchange import OuterExchange
-    from hf_diloco.core.lowrank import LowRankCompressor
-    from hf_diloco.core.shard import ShardLayout
-    from hf_diloco.core.topology import Topology
+    from hf_diloco.core.compression.codecs import make_codec
+    from hf_diloco.core.compression.lowrank import LowRankCompressor
+    from hf_diloco.core.exchange.exchange import OuterExchange
+    from hf_diloco.core.layout.shard import ShardLayout
+    from hf_diloco.core.layout.topology import Topology
 
     topology = Topology.from_default_group(data_parallel_per_worker=args.ranks)
     shapes = fragment_shapes(args)

@@ -46,7 +46,7 @@ DEFAULTS = {
 
 def _train(rank: int, world: int, setting: str, seed: int, args: argparse.Namespace, folder: str) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.core import shard
+    from hf_diloco.core.layout import shard
     from hf_diloco.job.modeling import DEFAULT_MODEL_CONFIG, build_model
 
     if setting == "bf16_fp32_start":  # the earlier measurement: no stretch counts as narrower, θg is not rounded

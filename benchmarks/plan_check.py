@@ -29,7 +29,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS_DIR, command_line, write_results
 from hf_diloco.cli.plan import count_parameters
 from hf_diloco.cli.plan_model import Plan, Sites, make_plan, project_sync
-from hf_diloco.core.scaling_rules import Setting
+from hf_diloco.core.settings.scaling_rules import Setting
 
 # benchmarks.wan's model and batch (its FULL_PROFILE): a Llama of hidden 128, MLP 512, 4 layers, byte-level vocabulary.
 WAN_MODEL = {

@@ -5,7 +5,7 @@
 
 The model of one fragment's sync (bytes, transfer at the link's efficiency, host CPU from the measured CPU seconds
 per GB of each stage, the gather and copies inside a worker, period, window, utilization) is
-`hf_diloco.core.projection`'s, which `hf-diloco plan` uses too; its docstring gives it term by term. This command
+`hf_diloco.core.settings.projection`'s, which `hf-diloco plan` uses too; its docstring gives it term by term. This command
 feeds it `--costs` (a `benchmarks.sync_cost` result, at `--threads`) and the flags below.
 
 Step times are published measurements of 8 (64 for 70B) H100 80GB GPUs in bf16, cited in `STEP_TIMES`; a worker is
@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR
-from hf_diloco.core.projection import (
+from hf_diloco.core.settings.projection import (
     EXCHANGE_STAGES,
     MEASURED_LINK_EFFICIENCY,
     STEP_SOURCE,
@@ -35,7 +35,7 @@ from hf_diloco.core.projection import (
     sync_bytes,
     utilization,
 )
-from hf_diloco.core.projection import inside_worker as _inside_worker
+from hf_diloco.core.settings.projection import inside_worker as _inside_worker
 
 # benchmarks.wan's methods and the settings of their DiLoCoConfig (wan.diloco_config) that the model needs.
 WAN_METHODS = {
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def inside_worker(parameters: float, gpus: int, args: argparse.Namespace) -> tuple[float, float, float]:
-    """`hf_diloco.core.projection.inside_worker` at the command's flags."""
+    """`hf_diloco.core.settings.projection.inside_worker` at the command's flags."""
     return _inside_worker(parameters, gpus, args.parameter_bytes, args.intra_node_gbytes, args.host_copy_gbytes)
 
 

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def sync_worker(rank: int, world: int, compression: str, rounds: int, model_json: str) -> dict:
     """One worker: per pattern, `rounds` blocking syncs of the whole model; its bytes and seconds per sync."""
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.core.codecs import make_codec
+    from hf_diloco.core.compression.codecs import make_codec
     from hf_diloco.job.modeling import DEFAULT_MODEL_CONFIG, build_model
 
     model = build_model({"config": {**DEFAULT_MODEL_CONFIG, **json.loads(model_json or "{}")}}, 4096, seed=0)

@@ -43,20 +43,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 
 import torch
 from torch import nn
 
-import hf_diloco.core.buffers
-import hf_diloco.core.fragment
-import hf_diloco.core.fragments
-import hf_diloco.core.rounds
-import hf_diloco.core.shard
-import hf_diloco.core.topology
 from benchmarks.common import RESULTS_DIR, command_line
-from hf_diloco.core.codecs import COMPRESSIONS, coding_pool, make_codec
-from hf_diloco.core.exchange import deflate_payload, inflate_payload
+from hf_diloco.core.compression import codecs as package_codecs
+from hf_diloco.core.compression.codecs import COMPRESSIONS, coding_pool, make_codec
+from hf_diloco.core.exchange.exchange import deflate_payload, inflate_payload
 
 BLOCK_SIZES = {"sign": 512}  # the rest at the default 128
 SCALE_DTYPES = {"sign": "bf16"}  # the rest at the default fp32
@@ -144,7 +139,7 @@ def measure(
             ("copy", "package"): functools.partial(torch.empty_like(values).copy_, values),
             ("fresh copy", "package"): values.clone,
         }
-        cores = {"package": hf_diloco.core, **(before or {})}
+        cores = {"package": package_core(), **(before or {})}
         for version, core in cores.items():
             stages.update({(stage, version): call for stage, call in fragment_stages(values, core).items()})
         for name in codecs:
@@ -268,6 +263,18 @@ def torch_threads(threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def package_core() -> SimpleNamespace:
+    """This package's engine modules under the flat names `fragment_stages` reads (`core_at` gives an older revision's
+    flat core the same way)."""
+    from hf_diloco.core.layout import buffers, fragments, shard, topology
+    from hf_diloco.core.rounds import fragment, rounds
+
+    return SimpleNamespace(
+        codecs=package_codecs, fragment=fragment, fragments=fragments, shard=shard, topology=topology,
+        buffers=buffers, rounds=rounds,
+    )  # fmt: skip
 
 
 def core_at(revision: str) -> ModuleType:

@@ -1,6 +1,6 @@
 """hf_diloco: DiLoCo, Streaming DiLoCo and DiLoCoX for Hugging Face causal LMs over slow links."""
 
-from .core.config import DiLoCoConfig
+from .core.settings.config import DiLoCoConfig
 
 __all__ = [
     "DiLoCoConfig",
@@ -19,13 +19,13 @@ __all__ = [
 
 _LAZY = {
     "DiLoCo": ("core.diloco", "DiLoCo"),
-    "Topology": ("core.topology", "Topology"),
+    "Topology": ("core.layout.topology", "Topology"),
     "DiLoCoTrainer": ("integrations.trainer", "DiLoCoTrainer"),
     "DiLoCoTrainingArguments": ("integrations.trainer", "DiLoCoTrainingArguments"),
     "DiLoCoPlugin": ("integrations.accelerate_plugin", "DiLoCoPlugin"),
     "worker_mesh": ("parallel.fsdp", "worker_mesh"),
-    "TorchftMembership": ("core.torchft_membership", "TorchftMembership"),
-    "MinWorkersTimeout": ("core.elastic", "MinWorkersTimeout"),
+    "TorchftMembership": ("backends.torchft_membership", "TorchftMembership"),
+    "MinWorkersTimeout": ("core.membership.elastic", "MinWorkersTimeout"),
     "write_model_card": ("publish.model_card", "write_model_card"),
     "push_folder_to_hub": ("publish.hub", "push_folder_to_hub"),
     "init_process_group_for_restart": ("integrations.launch", "init_process_group_for_restart"),

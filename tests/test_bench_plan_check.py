@@ -4,7 +4,7 @@ trains (its method, H, P and codec), and `benchmarks.wan --codec` sets the codec
 from benchmarks import plan_check, wan
 from hf_diloco.cli.plan import count_parameters
 from hf_diloco.cli.plan_model import Sites, make_plan
-from hf_diloco.core.scaling_rules import Setting
+from hf_diloco.core.settings.scaling_rules import Setting
 
 
 def _plan(rate_mbit: float, step_seconds: float):

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hf_diloco.core.fragments import find_block_stack, partition_fragments
+from hf_diloco.core.layout.fragments import find_block_stack, partition_fragments
 from hf_diloco.parallel.pipeline import build_stages
 from hf_diloco.parallel.pipeline import find_block_stack as pipeline_block_stack
 from tests.test_pipeline_families import TRAINED_FAMILIES, families

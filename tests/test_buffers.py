@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
-from hf_diloco.core.buffers import BufferPool
-from hf_diloco.core.fragment import _steps_in_pieces, optimizer_step
-from hf_diloco.core.shard import concatenated
+from hf_diloco.core.layout.buffers import BufferPool
+from hf_diloco.core.layout.shard import concatenated
+from hf_diloco.core.rounds.fragment import _steps_in_pieces, optimizer_step
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_model
 
@@ -159,7 +159,7 @@ class _CopiesInFlight:
 
 def _copies_in_flight(monkeypatch, window: int) -> None:
     """Read every part as if it lived on an accelerator: through staging buffers and `_CopiesInFlight`."""
-    from hf_diloco.core import shard
+    from hf_diloco.core.layout import shard
 
     monkeypatch.setattr(shard, "needs_staging", lambda part: True)
     monkeypatch.setattr(shard, "HostTransfers", _CopiesInFlight)
@@ -182,7 +182,7 @@ def test_staged_reads_wait_for_their_copies_and_give_the_bits_of_direct_reads(mo
 def _ordered_rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case twice: read as it is on the CPU, then with every read going through copies that land only when
     waited for; each exchange records whether a copy was still in flight and whether its vector was finite."""
-    from hf_diloco.core.exchange import OuterExchange
+    from hf_diloco.core.exchange.exchange import OuterExchange
 
     results = []
     for staged in (False, True):
@@ -274,7 +274,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 def test_gpu_reads_go_through_pinned_buffers_with_one_synchronisation(monkeypatch):
     """GPU lane. CUDA parts are copied asynchronously into pinned host buffers and waited for once per window, and the
     bits are those of a blocking copy of each part."""
-    from hf_diloco.core import shard
+    from hf_diloco.core.layout import shard
 
     waits = []
     wait = shard.HostTransfers.wait

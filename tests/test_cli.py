@@ -17,7 +17,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from hf_diloco import cli
 from hf_diloco.cli import configs, plot, push
 from hf_diloco.cli.pretrain_arguments import SECTION_FLAGS, build_parser, parse_command_line
-from hf_diloco.core.config import diloco_field_names
+from hf_diloco.core.settings.config import diloco_field_names
 from hf_diloco.integrations.trainer import DiLoCoTrainingArguments
 from hf_diloco.job import config_file
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_diloco.core.codecs import CODECS, Codec, make_codec, quantization_residual
+from hf_diloco.core.compression.codecs import CODECS, Codec, make_codec, quantization_residual
 
 NAMES = ("none", "bf16", "fp16", "int8", "fp8", "fp4")
 BLOCK_NAMES = ("fp16", "int8", "fp8", "fp4")

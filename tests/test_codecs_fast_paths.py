@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from hf_diloco.core.codecs import coding_pool, make_codec
+from hf_diloco.core.compression.codecs import coding_pool, make_codec
 
 pytestmark = pytest.mark.timeout(300)
 

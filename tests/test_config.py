@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from hf_diloco import DiLoCoConfig
-from hf_diloco.core.fragments import (
+from hf_diloco.core.layout.fragments import (
     Piece,
     find_block_stack,
     fragments_launched_at,
     launch_offset,
     partition_fragments,
 )
-from hf_diloco.core.topology import RankLayout
+from hf_diloco.core.layout.topology import RankLayout
 from tests.engine_common import tiny_llama
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_diloco.core import adaptive, codecs, exchange
-from hf_diloco.core.config import DiLoCoConfig, check_known_keys
+from hf_diloco.core.compression import adaptive, codecs
+from hf_diloco.core.exchange import exchange
+from hf_diloco.core.settings.config import DiLoCoConfig, check_known_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 

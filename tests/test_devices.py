@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from hf_diloco import DiLoCo, DiLoCoConfig
-from hf_diloco.core import checkpoint
-from hf_diloco.core.devices import local_device, placed, resolve_device
+from hf_diloco.core.layout.devices import local_device, placed, resolve_device
+from hf_diloco.core.rounds import checkpoint
 from hf_diloco.parallel.fsdp import mesh_device_type, worker_mesh
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, batch_for, inner_step, tiny_model

@@ -236,7 +236,7 @@ def test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join(job, mode)
 )
 def test_what_elastic_membership_does_not_run_is_refused_before_it_joins(settings, named):
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.core.torchft_membership import TorchftMembership
+    from hf_diloco.backends.torchft_membership import TorchftMembership
 
     membership = TorchftMembership("http://127.0.0.1:1", "worker0")  # never contacted: refused before joining
     model = tiny_model()

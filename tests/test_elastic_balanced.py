@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from hf_diloco.core.round_policy import RoundClock
+from hf_diloco.core.rounds.round_policy import RoundClock
 from tests.elastic_common import ElasticJob, assert_same_global
 from tests.engine_common import batch_for, tiny_model
 
@@ -123,8 +123,8 @@ def test_a_slow_worker_lost_under_balanced_rejoins_and_is_measured_again(job):
 
 def test_at_a_rounds_end_every_elastic_worker_syncs_the_same_tails_without_asking():
     """Under membership nobody knows the others' tails: at a round's end all but the last fragment, else all."""
-    from hf_diloco.core.round_policy import BalancedRounds
-    from hf_diloco.core.topology import Topology
+    from hf_diloco.core.layout.topology import Topology
+    from hf_diloco.core.rounds.round_policy import BalancedRounds
 
     policy = BalancedRounds(8, 2, 0, Topology.single_process(), weighs_in_exchange=True)
     assert policy.tail_scales(0) == [None, None]

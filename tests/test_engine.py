@@ -12,7 +12,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from hf_diloco import DiLoCo, DiLoCoConfig
-from hf_diloco.core.overlap import fitted_estimate_weight
+from hf_diloco.core.rounds.overlap import fitted_estimate_weight
 from tests.dist_utils import run_on_processes
 from tests.engine_common import (
     ADAPTIVE_DENSE_SIGN,
@@ -286,8 +286,8 @@ def test_per_fragment_sync_counters_are_logged():
 def test_drift_is_measured_at_each_launch_and_logging_reads_no_parameters(overlap, monkeypatch):
     """`local_global_drift` is ||θm - θg|| / ||θg|| over the fragments, each at its last launch (computed here from the
     model and θg just before that launch; eager measures from a_m, not θg), and `metrics()` reads no parameter."""
-    from hf_diloco.core import shard
-    from hf_diloco.core.fragments import fragments_launched_at
+    from hf_diloco.core.layout import shard
+    from hf_diloco.core.layout.fragments import fragments_launched_at
 
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
@@ -542,7 +542,7 @@ def _skip_one_step_on_rank_one(rank: int, world: int) -> dict:
 
 
 def _one_worker_misses_a_step_call(rank: int, world: int) -> dict:
-    from hf_diloco.core.exchange import WorkersOutOfStepError
+    from hf_diloco.core.exchange.exchange import WorkersOutOfStepError
 
     torch.manual_seed(0)
     model = tiny_model()

@@ -36,7 +36,7 @@ def _silence(rank: int, how: str) -> None:
 
 def _fail_at(rank: int, scenario: str, how: str) -> None:
     from hf_diloco import DiLoCo, DiLoCoConfig, Topology
-    from hf_diloco.core.agreement import broadcast_initial_parameters
+    from hf_diloco.core.membership.agreement import broadcast_initial_parameters
 
     config = DiLoCoConfig(inner_steps=2, sync_timeout_seconds=TIMEOUT)
     model = tiny_model(layers=2)

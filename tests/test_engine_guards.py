@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from hf_diloco.core.rounds import DivergenceGuard, TrainingDivergedError
+from hf_diloco.core.rounds.rounds import DivergenceGuard, TrainingDivergedError
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_model
 
@@ -22,7 +22,7 @@ def _diverging_worker(rank: int, world: int) -> dict:
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("hf_diloco.core.rounds").addHandler(handler)
+    logging.getLogger("hf_diloco.core.rounds.rounds").addHandler(handler)
     model = tiny_model(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
     config = DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, max_skipped_rounds=2)
@@ -169,7 +169,7 @@ def test_a_round_without_history_is_bounded_by_theta_g_own_scale():
 
 def test_outer_updates_that_keep_growing_are_warned_about_once(caplog):
     warm_up, blowing_up = DivergenceGuard(100.0, 0), DivergenceGuard(100.0, 0)
-    with caplog.at_level(logging.WARNING, logger="hf_diloco.core.rounds"):
+    with caplog.at_level(logging.WARNING, logger="hf_diloco.core.rounds.rounds"):
         for round_ in range(1, 9):
             warm_up.applied(0, 0.01 * round_)  # a linear learning-rate warm-up
         assert not caplog.records

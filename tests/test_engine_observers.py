@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_diloco.core.stats import EngineStats
+from hf_diloco.core.rounds.stats import EngineStats
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_model
 
@@ -19,7 +19,7 @@ PLAIN_OUTER = dict(outer_lr=1.0, outer_momentum=0.0)  # θ <- θ - update: every
 
 def _observed_run(rank: int, world: int, config: dict, steps: int) -> dict:
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.core.stats import register_round_observer
+    from hf_diloco.core.rounds.stats import register_round_observer
 
     model = tiny_model(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)

@@ -15,7 +15,7 @@ LONG_ALLOWED = {"DiLoCoConfig"}
 
 
 def _core_modules() -> list[Path]:
-    return sorted(CORE.glob("*.py"))
+    return sorted(CORE.rglob("*.py"))
 
 
 def class_lengths(folder: Path) -> dict[str, int]:
@@ -38,17 +38,73 @@ def test_no_class_of_the_package_is_longer_than_300_lines():
     assert max(lengths.values()) <= 300, sorted(lengths.items(), key=lambda item: -item[1])[:3]
 
 
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every import in `path`, relative ones resolved against its package."""
+    package = list(path.relative_to(ROOT).parent.parts)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
+        elif isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+    return found
+
+
 def test_core_is_pure_torch_and_never_imports_upward():
-    for path in sorted(CORE.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                assert node.level <= 1, f"{path.name}:{node.lineno} imports from above hf_diloco/core"
-                assert node.level == 1 or not (node.module or "").startswith(GLUE), f"{path.name}:{node.lineno}"
-            if isinstance(node, ast.Import):
-                assert not any(alias.name.startswith(GLUE) for alias in node.names), f"{path.name}:{node.lineno}"
+    """Nothing in `hf_diloco/core` imports the glue above it, transformers, accelerate, torchft or any other
+    third-party package beyond torch (a store library, a Lighthouse: they live in `hf_diloco.backends`)."""
+    third_party = (*GLUE, "torchft", "obstore", "fsspec", "s3fs", "boto3", "moto")
+    for path in _core_modules():
+        for line, module in _imports(path):
+            where = f"{path.relative_to(ROOT)}:{line} imports {module}"
+            if module.startswith("hf_diloco"):
+                assert module.startswith("hf_diloco.core"), where
+            else:
+                assert not module.startswith(third_party), where
 
 
-ROOMS = {"cli", "configs", "core", "integrations", "job", "metrics", "model_cards", "parallel", "publish"}
+def _room_of(module: str) -> str | None:
+    """The room of the core a module lives in (None: the engine at the top of the core, or outside it)."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["hf_diloco", "core"] else None
+
+
+def test_every_room_of_the_core_imports_only_rooms_below_it():
+    """`hf_diloco.core.FLOORS` orders the rooms; an import from a room to one of the same or a higher floor (an arrow
+    up, or the start of a circle between rooms) fails here, naming the line."""
+    from hf_diloco.core import FLOORS
+
+    floor = {room: level for level, rooms in enumerate(FLOORS) for room in rooms}
+    rooms = {path.name for path in CORE.iterdir() if path.is_dir() and path.name != "__pycache__"}
+    assert rooms == set(floor), f"rooms on disk {sorted(rooms)} against FLOORS {sorted(floor)}"
+    loose = {path.name for path in CORE.glob("*.py")}
+    assert loose == {"__init__.py", "diloco.py"}, loose  # the engine stands on the rooms
+    for path in _core_modules():
+        mine = _room_of(_module_name(path) + (".__init__" if path.name == "__init__.py" else ""))
+        for line, module in _imports(path):
+            theirs = _room_of(module if module.count(".") > 2 else module + ".x")
+            if mine is None or theirs is None or theirs == mine:
+                if mine is not None and module.startswith("hf_diloco.core") and theirs is None:
+                    raise AssertionError(f"{path.relative_to(ROOT)}:{line}: a room imports the engine ({module})")
+                continue
+            assert floor[theirs] < floor[mine], (
+                f"{path.relative_to(ROOT)}:{line}: room {mine} (floor {floor[mine]}) imports {module} of room "
+                f"{theirs} (floor {floor[theirs]})"
+            )
+
+
+def test_every_room_is_small_and_says_what_it_holds():
+    """Each room of the core is at most ~2,000 lines and opens with an `__init__` that says what it holds and what it
+    may import."""
+    for room in sorted(path for path in CORE.iterdir() if path.is_dir() and path.name != "__pycache__"):
+        lines = sum(len(path.read_text().splitlines()) for path in room.rglob("*.py"))
+        assert lines <= 2100, f"core/{room.name} holds {lines} lines"
+        doc = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""
+        assert "Floor" in doc and len(doc) > 80, f"core/{room.name}/__init__.py does not say what it holds"
+
+
+ROOMS = {"backends", "cli", "configs", "core", "integrations", "job", "metrics", "model_cards", "parallel", "publish"}
 
 
 def test_the_top_of_the_package_holds_only_its_rooms_and_its_public_face():
@@ -101,9 +157,11 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_no_module_of_the_package_imports_itself_through_others():
     """No import circle, counting imports for type checking: each part of the engine serialises itself, and the
-    engine composes them (`core/checkpoint.py` and `core/elastic.py` take parts, never the engine's class)."""
+    engine composes them (`core/rounds/checkpoint.py` and `core/membership/elastic.py` take parts, never the engine's class)."""
     graph = import_graph()
-    assert "hf_diloco.core.checkpoint" in graph["hf_diloco.core.diloco"]  # the graph sees relative imports
+    assert (
+        "hf_diloco.core.rounds.checkpoint" in graph["hf_diloco.core.diloco"]
+    )  # the graph sees relative imports
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -138,7 +196,8 @@ def _is_config(node: ast.expr) -> bool:
 
 
 def _line_of(name: str, text: str) -> int:
-    return next(i for i, line in enumerate((CORE / name).read_text().splitlines(), 1) if text in line)
+    path = next(CORE.rglob(name))
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if text in line)
 
 
 def test_design_document_names_tests_that_exist():

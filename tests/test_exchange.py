@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
-from hf_diloco.core import exchange as exchange_module
-from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import (
+from hf_diloco.core.compression.codecs import make_codec
+from hf_diloco.core.exchange import exchange as exchange_module
+from hf_diloco.core.exchange.exchange import (
     OuterExchange,
     OuterGroup,
     OuterSyncError,
@@ -22,7 +22,7 @@ from hf_diloco.core.exchange import (
     exchange_point_to_point,
     inflate_payload,
 )
-from hf_diloco.core.topology import Topology
+from hf_diloco.core.layout.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_llama, tiny_model, train_engine
 
@@ -217,7 +217,7 @@ def test_the_average_written_into_out_is_the_fresh_average_bit_for_bit(workers):
 def _pieces_against_whole(rank: int, world: int) -> dict:
     """Each codec's `reduce_scatter` exchange of one vector, whole and in pieces (`pipelined_exchange`, its piece
     size lowered so that a 98,304-value vector is cut): average, residual and bytes sent, and how many pieces."""
-    from hf_diloco.core import pipelined_exchange
+    from hf_diloco.core.exchange import pipelined as pipelined_exchange
 
     topology, numel, found = Topology.from_default_group(), 3 * 8 * 4096, {}
     for name in ("none", "fp4", "sign", "topk"):
@@ -565,7 +565,7 @@ def _lost_peer_site(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
     from torchft import ProcessGroupGloo
 
-    from hf_diloco.core.exchange import unmasked_collective_error
+    from hf_diloco.core.exchange.exchange import unmasked_collective_error
     from tests.dist_utils import free_port
 
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False) if rank == 0 else None
@@ -661,7 +661,7 @@ def test_checkpoint_with_other_settings_is_refused():
 
 
 def test_an_elastic_joiner_with_other_settings_is_refused_naming_them():
-    from hf_diloco.core.elastic import check_peer_settings
+    from hf_diloco.core.membership.elastic import check_peer_settings
 
     running = DiLoCoConfig(inner_steps=4)
     state = {"fingerprint": running.fingerprint(), "settings": running.shared_settings()}  # what a peer serves

@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import torch
 from torch.distributed._serialization import _streaming_save
 
-from hf_diloco.core.torchft_membership import seal_heal_state
+from hf_diloco.backends.torchft_membership import seal_heal_state
 
 marker = sys.argv[1]
 
@@ -80,7 +80,7 @@ def hostile_peer(tmp_path):
 
 
 def test_a_heal_state_holding_an_object_is_refused_and_nothing_runs(hostile_peer):
-    from hf_diloco.core.torchft_membership import HealStateRefused, _counting_http_transport, _servers_bound_to
+    from hf_diloco.backends.torchft_membership import HealStateRefused, _counting_http_transport, _servers_bound_to
 
     url, marker = hostile_peer
     sink: dict = {}
@@ -117,7 +117,7 @@ def two_workers(
 ) -> tuple[list, list, list, list]:
     """Two `TorchftMembership`s joining at once (one thread each): their memberships, views, errors and the states
     they loaded in a heal."""
-    from hf_diloco.core.torchft_membership import TorchftMembership
+    from hf_diloco.backends.torchft_membership import TorchftMembership
 
     memberships = [
         TorchftMembership(
@@ -162,7 +162,7 @@ class Payload:
 
 
 def test_a_torchft_heal_from_a_hostile_peer_is_refused_and_servers_listen_on_the_host_only(lighthouse, tmp_path):
-    from hf_diloco.core.torchft_membership import HealStateRefused
+    from hf_diloco.backends.torchft_membership import HealStateRefused
 
     marker = tmp_path / "executed"
     hostile = {"global": [torch.zeros(2)], "evil": Payload(marker)}
@@ -187,7 +187,7 @@ def test_a_torchft_heal_from_a_hostile_peer_is_refused_and_servers_listen_on_the
 
 
 def test_two_live_workers_under_one_replica_id_are_refused(lighthouse):
-    from hf_diloco.core.torchft_membership import DuplicateReplicaId
+    from hf_diloco.backends.torchft_membership import DuplicateReplicaId
 
     state = {"global": [torch.zeros(2)]}
     memberships, views, errors, _ = two_workers(lighthouse, ["site_a", "site_a"], [state, state])
@@ -213,7 +213,7 @@ def test_a_heal_is_checked_against_the_jobs_secret(lighthouse):
 
 
 def test_a_peer_with_another_secret_is_refused(lighthouse):
-    from hf_diloco.core.torchft_membership import HealStateRefused
+    from hf_diloco.backends.torchft_membership import HealStateRefused
 
     state = {"global": [torch.zeros(2)]}
     memberships, views, errors, loaded = two_workers(
@@ -233,7 +233,7 @@ def test_a_quorum_that_never_forms_names_the_lighthouse_and_the_ways_out():
     lost): torchft's bare `TimeoutError: status: Cancelled` becomes a `QuorumTimeout` naming the address."""
     from torchft._torchft import LighthouseServer, ManagerClient, ManagerServer
 
-    from hf_diloco.core.torchft_membership import QuorumTimeout, _RecordingClient
+    from hf_diloco.backends.torchft_membership import QuorumTimeout, _RecordingClient
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
     server = ManagerServer(

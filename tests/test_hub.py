@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import save_file
 
 from hf_diloco.cli import push
-from hf_diloco.core.config import DiLoCoConfig
+from hf_diloco.core.settings.config import DiLoCoConfig
 from hf_diloco.publish.hub import ensure_model_card, files_to_publish, push_folder_to_hub
 from hf_diloco.publish.model_card import write_model_card
 

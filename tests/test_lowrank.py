@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_diloco import DiLoCoConfig
-from hf_diloco.core.adaptive import (
+from hf_diloco.core.compression.adaptive import (
     CODEC_BITS,
     Choice,
     CompressionPolicy,
@@ -18,10 +18,10 @@ from hf_diloco.core.adaptive import (
     WindowEnergyPolicy,
     policy_compressions,
 )
-from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import OuterExchange, ScheduleTag
-from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
-from hf_diloco.core.topology import Topology
+from hf_diloco.core.compression.codecs import make_codec
+from hf_diloco.core.compression.lowrank import LowRankCompressor, orthonormalize
+from hf_diloco.core.exchange.exchange import OuterExchange, ScheduleTag
+from hf_diloco.core.layout.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import ADAPTIVE_DENSE_SIGN, VOCAB, train_engine
 

@@ -15,12 +15,12 @@ import io
 import pytest
 import torch
 
-from hf_diloco.core.codecs import make_codec
-from hf_diloco.core.exchange import OuterExchange, _ExchangeJob
-from hf_diloco.core.lowrank import LowRankCompressor, orthonormalize
-from hf_diloco.core.lowrank_split import assign_owners, matrix_owners
-from hf_diloco.core.shard import ShardLayout
-from hf_diloco.core.topology import Topology
+from hf_diloco.core.compression.codecs import make_codec
+from hf_diloco.core.compression.lowrank import LowRankCompressor, orthonormalize
+from hf_diloco.core.exchange.exchange import OuterExchange, _ExchangeJob
+from hf_diloco.core.exchange.lowrank_split import assign_owners, matrix_owners
+from hf_diloco.core.layout.shard import ShardLayout
+from hf_diloco.core.layout.topology import Topology
 from tests.dist_utils import run_on_processes
 
 WORKERS, RANKS, RANK = 2, 2, 2

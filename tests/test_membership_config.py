@@ -10,8 +10,8 @@ import torch
 
 from hf_diloco import DiLoCoConfig
 from hf_diloco.cli.pretrain_arguments import parse_command_line
-from hf_diloco.core.config import env_fields
-from hf_diloco.core.topology import RankLayout, Topology
+from hf_diloco.core.layout.topology import RankLayout, Topology
+from hf_diloco.core.settings.config import env_fields
 from hf_diloco.integrations.engine_session import check_one_process_per_site, membership_from_config
 
 ELASTIC = dict(lighthouse="http://10.0.0.5:29510", site="site-a")
@@ -84,7 +84,7 @@ def test_a_launch_of_one_sites_data_parallel_ranks_is_one_membership_of_that_man
 def test_a_site_of_another_number_of_ranks_is_refused_before_it_joins_naming_the_launch():
     """A live site published its settings and its D (1 here) in its store: a joiner of D 2 stops before its Manager
     exists (it would leave rank 1 of its site without a peer), naming the launch that fits."""
-    from hf_diloco.core.torchft_membership import SETTINGS_KEY, TorchftMembership
+    from hf_diloco.backends.torchft_membership import SETTINGS_KEY, TorchftMembership
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     config = DiLoCoConfig(**ELASTIC)
@@ -105,7 +105,7 @@ def test_a_site_of_another_number_of_ranks_is_refused_before_it_joins_naming_the
 def test_a_site_that_shards_the_model_otherwise_is_refused_before_it_joins_naming_the_launch():
     """A live site of two replicated (DDP) ranks published its sharding: an FSDP site of two ranks stops before its
     Manager exists (rank k's share of θg would be other values on each), and so does the reverse."""
-    from hf_diloco.core.torchft_membership import SETTINGS_KEY, TorchftMembership
+    from hf_diloco.backends.torchft_membership import SETTINGS_KEY, TorchftMembership
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     config = DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2)

@@ -6,7 +6,7 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from hf_diloco.core.config import DiLoCoConfig
+from hf_diloco.core.settings.config import DiLoCoConfig
 from hf_diloco.publish.model_card import (
     communication_summary,
     ddp_allreduce_bytes,

@@ -6,7 +6,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hf_diloco import DiLoCo, DiLoCoConfig
-from hf_diloco.core.shard import rounded_to_parts
+from hf_diloco.core.layout.shard import rounded_to_parts
 from tests.engine_common import INNER_LR, inner_step, tiny_model
 
 

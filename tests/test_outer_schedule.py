@@ -62,7 +62,7 @@ def test_a_decaying_schedule_needs_its_length_from_the_run_or_the_config():
 def test_the_front_ends_session_spans_the_schedule_over_the_runs_steps():
     """EngineSession (the Trainer, the main job, the plugin) fills in R = max_steps / H; a plugin run whose length is
     unknown (no max_steps: one epoch's steps are no run's length) is refused by the engine, naming the field."""
-    from hf_diloco.core.topology import Topology
+    from hf_diloco.core.layout.topology import Topology
     from hf_diloco.integrations.engine_session import EngineSession
 
     model = tiny_model()

@@ -411,7 +411,7 @@ def test_two_stages_match_unsplit_training(tmp_path):
 
 
 def stage_by_data_parallel_worker(rank: int, port: int) -> None:
-    """World of 4 = 2 data-parallel replicas x 2 stages (rank = dp * 2 + stage), as `core/topology.py` lays it out."""
+    """World of 4 = 2 data-parallel replicas x 2 stages (rank = dp * 2 + stage), as `core/layout/topology.py` lays it out."""
     init_worker(rank, 4, port)
     stage, replica = rank % 2, rank // 2
     pipeline_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

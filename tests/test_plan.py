@@ -16,8 +16,8 @@ from hf_diloco.cli import main as hf_diloco
 from hf_diloco.cli.plan import count_parameters
 from hf_diloco.cli.plan_model import parse_link
 from hf_diloco.cli.plan_yaml import llama_parameters, llama_shape
-from hf_diloco.core.projection import MEASURED_STAGE_RATES, stage_rates
-from hf_diloco.core.scaling_rules import scaling_law_settings
+from hf_diloco.core.settings.projection import MEASURED_STAGE_RATES, stage_rates
+from hf_diloco.core.settings.scaling_rules import scaling_law_settings
 from hf_diloco.job.config_file import read_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     # Registered first, so it runs last (atexit is LIFO): it sees what the package's teardown left.
     atexit.register(lambda: out.write_text(f"{dist.is_initialized()} {topology.outer_group is None}"))
     dist.init_process_group("gloo")
-    from hf_diloco.core.topology import Topology
+    from hf_diloco.core.layout.topology import Topology
 
     topology = Topology.from_default_group()  # kept alive in the globals, as a script keeps its trainer
     assert topology.outer_group is not None

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hf_diloco import DiLoCo, DiLoCoConfig
-from hf_diloco.core.round_policy import BalancedRounds, plan_round_steps
-from hf_diloco.core.topology import Topology
+from hf_diloco.core.layout.topology import Topology
+from hf_diloco.core.rounds.round_policy import BalancedRounds, plan_round_steps
 from tests.dist_utils import free_port, run_on_processes
 from tests.engine_common import INNER_LR, inner_step, pace, tiny_model
 

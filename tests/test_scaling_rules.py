@@ -1,11 +1,11 @@
-"""`hf_diloco.core.scaling_rules` against the DiLoCo scaling-law paper's joint fits, written out here, and the values
+"""`hf_diloco.core.settings.scaling_rules` against the DiLoCo scaling-law paper's joint fits, written out here, and the values
 its fits give at the sizes ANCHORS.md quotes."""
 
 from __future__ import annotations
 
 import pytest
 
-from hf_diloco.core.scaling_rules import scaling_law_settings
+from hf_diloco.core.settings.scaling_rules import scaling_law_settings
 
 
 @pytest.mark.parametrize("num_parameters, num_workers", [(35e6, 1), (150e6, 2), (1e9, 4), (2.4e9, 8)])

@@ -107,7 +107,7 @@ def _train_bf16_replicas(rank: int, world: int, window: int, folder: str) -> dic
     shared in windows of `window` values, so some windows straddle two pieces and the last one of a rank is short.
     At step 6 (fragment 0 in flight) each rank saves its state, as the front-ends do and as every rank did before
     the inner state was written once per worker; fresh replicas resume from both."""
-    from hf_diloco.core.shard import ReplicatedValues
+    from hf_diloco.core.layout.shard import ReplicatedValues
 
     ReplicatedValues.share_window = window
     model, optimizer, engine, ddp = _bf16_replica()

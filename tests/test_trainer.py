@@ -24,7 +24,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_diloco.core.config import DiLoCoConfig
+from hf_diloco.core.settings.config import DiLoCoConfig
 from hf_diloco.integrations.trainer import DiLoCoTrainer, DiLoCoTrainingArguments
 from tests.dist_utils import free_port, run_on_processes
 from tests.engine_common import assert_resumed_bitwise, cpu_trainer_args, tiny_llama

@@ -1,6 +1,6 @@
 """`auto` as the value of `learning_rate`, `per_device_train_batch_size` or `outer_lr` in the main job.
 
-Each `auto` becomes the DiLoCo scaling laws' value (`hf_diloco.core.scaling_rules`) once the model exists, from its
+Each `auto` becomes the DiLoCo scaling laws' value (`hf_diloco.core.settings.scaling_rules`) once the model exists, from its
 parameter count N, the run's workers M, H and the block size; the start-up line prints each value and its source,
 and every way the run lies outside the fitted range. `auto` is taken out of the config, the flags and the
 `DILOCO_*` variables before the arguments are parsed (their types are numbers), so the rest of the job sees numbers.
@@ -13,7 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..core.config import ENV_PREFIX
+from ..core.settings.config import ENV_PREFIX
 from ..job.config_file import LoadedConfig
 
 AUTO = "auto"
@@ -75,7 +75,7 @@ def resolve_auto_values(request: AutoRequest, args: Any, model: Any, block_size:
     Raises:
         `ValueError`: `auto` with `trainer: ddp` (the laws are DiLoCo's).
     """
-    from ..core.scaling_rules import scaling_law_settings
+    from ..core.settings.scaling_rules import scaling_law_settings
 
     if not request:
         return []

@@ -9,7 +9,7 @@ import re
 import textwrap
 from collections.abc import Sequence
 
-from ..core.config import DiLoCoConfig
+from ..core.settings.config import DiLoCoConfig
 from ..job.config_file import shipped_config_names, shipped_config_text
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..core.scaling_rules import PAPER_SEQUENCE_LENGTH, Setting
+from ..core.settings.scaling_rules import PAPER_SEQUENCE_LENGTH, Setting
 from .plan_model import DEFAULT_MFU, GPU_PEAK_FLOPS, Plan, Sites, make_plan, parse_link
 from .plan_yaml import llama_shape, plan_table, plan_yaml
 

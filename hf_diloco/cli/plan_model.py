@@ -20,7 +20,7 @@ import dataclasses
 import math
 import re
 
-from ..core.projection import (
+from ..core.settings.projection import (
     LINK_EFFICIENCY_SOURCE,
     MEASURED_LINK_EFFICIENCY,
     MEASURED_STAGE_RATES,
@@ -30,7 +30,7 @@ from ..core.projection import (
     sync_bytes,
     utilization,
 )
-from ..core.scaling_rules import FITTED_INNER_STEPS, ScalingLawSettings, Setting, scaling_law_settings
+from ..core.settings.scaling_rules import FITTED_INNER_STEPS, ScalingLawSettings, Setting, scaling_law_settings
 
 # Dense bf16 tensor-core peak FLOP/s per GPU (no sparsity), from NVIDIA's datasheets.
 GPU_PEAK_FLOPS = {"a100": 312e12, "h100": 989e12, "h200": 989e12, "l40s": 362e12}

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from ..core.scaling_rules import Setting
+from ..core.settings.scaling_rules import Setting
 from .plan_model import DEFLATE_SOURCE, Plan, SyncProjection, projection_sources
 
 HEAD_DIM = 64
@@ -196,7 +196,7 @@ def plan_table(plan: Plan, command: str) -> str:
         ("bytes per sync", f"{sync.bytes_per_sync / 1e9:.3g} GB per site's link, "
          f"{sync.bytes_per_sync / sites.gpus_per_site / 1e9:.3g} GB per rank ({codec}, 1/{sync.fragments} of the model)",
          "reduce_scatter: 2 (M - 1) / M x the encoded fragment, each of the D ranks its 1/D share "
-         "(hf_diloco.core.projection)" + (f"; {DEFLATE_SOURCE}" if sync.entropy_coding else "")),
+         "(hf_diloco.core.settings.projection)" + (f"; {DEFLATE_SOURCE}" if sync.entropy_coding else "")),
         ("time per sync", f"{sync.transfer:.3g} s", sources["link efficiency"]),
         ("host CPU per sync per rank", f"{sync.main:.3g} s training thread + {sync.exchange:.3g} s exchange",
          f"{sources['host rates']}; a rank handles 1/{sites.gpus_per_site} of the fragment"),
@@ -204,7 +204,7 @@ def plan_table(plan: Plan, command: str) -> str:
         ("compute per sync period", f"{sync.period:.3g} s (H / P = {sync.inner_steps // sync.fragments} steps), "
          f"{sync.window:.3g} s overlapped", "the step time above"),
         ("compute utilization", f"{sync.utilization:.1%}",
-         "period / (period + training thread + max(0, exchange + transfer - overlap)), hf_diloco.core.projection"),
+         "period / (period + training thread + max(0, exchange + transfer - overlap)), hf_diloco.core.settings.projection"),
         ("wall-clock", f"{plan.wall_seconds / 3600:,.1f} h ({plan.max_steps:,} steps)",
          "max_steps x step time / utilization" + (" (the slowest site's step under steps)" if len(set(sites.speeds)) > 1
                                                   else "")),

@@ -113,7 +113,7 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
     `data.block_size` tokens (a new model's config is built here without its vocabulary, which the tokenizer decides
     later).
     """
-    from ..core.topology import RankLayout
+    from ..core.layout.topology import RankLayout
     from ..integrations.engine_session import check_one_process_per_site
     from ..job.modeling import build_model_config, check_block_size
 

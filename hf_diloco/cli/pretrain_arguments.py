@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..core.config import ENV_PREFIX, DiLoCoConfig, diloco_field_names
+from ..core.settings.config import ENV_PREFIX, DiLoCoConfig, diloco_field_names
 from ..job.config_file import TRAINERS, LoadedConfig, apply_overrides, parse_bool_option, read_config
 from .auto_settings import AutoRequest, refuse_auto_for, take_auto_values
 

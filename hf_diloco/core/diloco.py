@@ -18,33 +18,33 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint
-from .adaptive import WindowEnergyPolicy, policy_compressions
-from .agreement import (
+from .compression.adaptive import WindowEnergyPolicy, policy_compressions
+from .compression.codecs import CODEC_BITS, make_codec
+from .compression.lowrank import LowRankCompressor
+from .exchange.exchange import OuterExchange, PendingExchange, ScheduleTag
+from .exchange.lowrank_split import assign_owners
+from .layout.buffers import BufferPool
+from .layout.devices import local_device
+from .layout.fragments import Piece, find_block_stack, partition_fragments
+from .layout.shard import ReplicatedValues, ShardedValues, Worker, is_sharded
+from .layout.topology import Topology
+from .membership.agreement import (
     broadcast_initial_parameters,
     check_topology_matches,
     check_workers_agree,
     describe_pieces,
     model_settings,
 )
-from .buffers import BufferPool
-from .codecs import CODEC_BITS, make_codec
-from .config import DiLoCoConfig, refuse_unsupported
-from .devices import local_device
-from .elastic import ElasticRounds
-from .exchange import OuterExchange, PendingExchange, ScheduleTag
-from .fragment import Fragment, InFlight, outer_state_bytes
-from .fragments import Piece, find_block_stack, partition_fragments
-from .lowrank import LowRankCompressor
-from .lowrank_split import assign_owners
-from .membership import Membership
-from .outer_schedule import learning_rate_now, scheduled
-from .overlap import Overlap, make_overlap
-from .round_policy import RoundClock, make_round_policy
-from .rounds import DivergenceGuard, RoundKeeper
-from .shard import ReplicatedValues, ShardedValues, Worker, is_sharded
-from .stats import EngineStats, Observers, RoundRecord
-from .topology import Topology
+from .membership.elastic import ElasticRounds
+from .membership.membership import Membership
+from .rounds import checkpoint
+from .rounds.fragment import Fragment, InFlight, outer_state_bytes
+from .rounds.overlap import Overlap, make_overlap
+from .rounds.round_policy import RoundClock, make_round_policy
+from .rounds.rounds import DivergenceGuard, RoundKeeper
+from .rounds.stats import EngineStats, Observers, RoundRecord
+from .settings.config import DiLoCoConfig, refuse_unsupported
+from .settings.outer_schedule import learning_rate_now, scheduled
 
 
 class DiLoCo:
@@ -209,7 +209,7 @@ class DiLoCo:
 
     def add_observer(self, observer: Callable[[RoundRecord], None]) -> RemovableHandle:
         """Call `observer(record)` after every round of this engine (see `RoundRecord`); `handle.remove()` stops it.
-        `hf_diloco.core.stats.register_round_observer` does the same for every engine of the process."""
+        `hf_diloco.core.rounds.stats.register_round_observer` does the same for every engine of the process."""
         return self._observers.add(observer)
 
     # ----------------------------------------------------------------------------------------------- reading it

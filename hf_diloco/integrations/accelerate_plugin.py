@@ -44,8 +44,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.config import DiLoCoConfig
 from ..core.diloco import DiLoCo
+from ..core.settings.config import DiLoCoConfig
 from .accelerate_worker import prepare_worker_model, worker_topology
 from .engine_session import EngineSession
 from .rank_state import RANK_STATE_NAME as STATE_NAME

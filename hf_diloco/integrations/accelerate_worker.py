@@ -20,8 +20,8 @@ from typing import Any
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 from torch import nn
 
-from ..core.config import DiLoCoConfig
-from ..core.topology import Topology
+from ..core.layout.topology import Topology
+from ..core.settings.config import DiLoCoConfig
 from .run_summary import check_processes_joined
 from .worker_fsdp import holds_shards
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.config import DiLoCoConfig
 from ..core.diloco import DiLoCo
-from ..core.topology import Topology
+from ..core.layout.topology import Topology
+from ..core.settings.config import DiLoCoConfig
 from .monitoring import ComputeUtilization
 from .run_summary import run_summary
 
@@ -53,7 +53,7 @@ def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
     if not config.lighthouse:
         return None
     check_one_process_per_site(config, topology.num_workers * topology.layout.worker_size)
-    from ..core.torchft_membership import TorchftMembership
+    from ..backends.torchft_membership import TorchftMembership
 
     return TorchftMembership(
         config.lighthouse,

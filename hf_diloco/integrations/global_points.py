@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..core.agreement import gather_values
+from ..core.membership.agreement import gather_values
 
 __all__ = [
     "PeerTimeoutError",

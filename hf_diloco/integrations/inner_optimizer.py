@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.fragments import find_block_stack
+from ..core.layout.fragments import find_block_stack
 
 INNER_OPTIMIZERS = ("adamw", "muon")
 

@@ -188,7 +188,7 @@ def hold_output_folder(
 ) -> None:
     """The job's main process takes `folder`'s lock; every rank of `group` (a gloo group of all ranks, or None)
     raises the same `OutputFolderInUseError` when it could not, instead of waiting for it at a later point."""
-    from ..core.agreement import all_gather_text
+    from ..core.membership.agreement import all_gather_text
     from .global_points import wait_for_all_ranks
 
     refusal = ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.config import LOCAL_ONLY_FIELDS, DiLoCoConfig
+from ..core.settings.config import LOCAL_ONLY_FIELDS, DiLoCoConfig
 
 # DiLoCo settings each node may choose for itself (where theta_g lives, how long it waits for peers); the others must
 # be the same on every rank.

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..core.config import DiLoCoConfig
-from ..core.fragments import find_block_stack
+from ..core.layout.fragments import find_block_stack
+from ..core.settings.config import DiLoCoConfig
 from ..parallel.fsdp import worker_mesh
 
 

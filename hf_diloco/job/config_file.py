@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ..core.config import check_known_keys, describe_yaml_error, diloco_field_names, load_yaml_strictly
+from ..core.settings.config import check_known_keys, describe_yaml_error, diloco_field_names, load_yaml_strictly
 
 __all__ = [
     "SECTIONS",

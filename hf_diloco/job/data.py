@@ -39,7 +39,7 @@ from datasets.exceptions import DatasetGenerationError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from ..core.config import check_known_keys
+from ..core.settings.config import check_known_keys
 from .modeling import check_vocab_size, model_positions
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, set_seed
 
-from ..core.config import check_known_keys
+from ..core.settings.config import check_known_keys
 
 __all__ = [
     "DEFAULT_MODEL_CONFIG",

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..core.config import DiLoCoConfig
-from ..core.topology import RankLayout
+from ..core.layout.topology import RankLayout
+from ..core.settings.config import DiLoCoConfig
 
 
 def worker_mesh(config: DiLoCoConfig, device_type: str | None = None, model: nn.Module | None = None) -> DeviceMesh:

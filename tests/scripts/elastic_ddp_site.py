@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hf_diloco import DiLoCoConfig
-from hf_diloco.core.topology import Topology
-from hf_diloco.core.torchft_membership import TorchftMembership
+from hf_diloco.backends.torchft_membership import TorchftMembership
+from hf_diloco.core.layout.topology import Topology
 from hf_diloco.integrations.engine_session import EngineSession
 from tests.engine_common import BATCH, batch_for, tiny_model
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from hf_diloco import DiLoCoTrainer
 from hf_diloco.cli.pretrain import main
 from hf_diloco.cli.refusals import exit_status_of
-from hf_diloco.core.elastic import ElasticRounds
+from hf_diloco.core.membership.elastic import ElasticRounds
 
 PACE = float(os.environ.get("SITE_PACE", "0.15"))
 DIE_AT = int(os.environ.get("SITE_DIE_AT", "0"))

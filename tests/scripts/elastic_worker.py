@@ -71,7 +71,7 @@ def main() -> None:
         events.flush()
 
     from hf_diloco import DiLoCo, DiLoCoConfig
-    from hf_diloco.core.torchft_membership import TorchftMembership
+    from hf_diloco.backends.torchft_membership import TorchftMembership
     from tests.engine_common import inner_step, tiny_model
 
     model = tiny_model(seed=cli.slot)  # different on purpose: the first group makes every worker start alike

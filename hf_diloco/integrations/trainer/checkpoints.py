@@ -22,7 +22,7 @@ from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 from transformers.utils import CONFIG_NAME, logging
 
-from ...core.settings_check import describe_changes, saved_values, setting_changes
+from ...core.settings.settings_check import describe_changes, saved_values, setting_changes
 from ..architecture import architecture, describe_architecture_change
 from ..atomic_checkpoints import (
     CheckpointError,

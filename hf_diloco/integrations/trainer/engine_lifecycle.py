@@ -10,7 +10,7 @@ from torch import nn
 from transformers import TrainerCallback
 
 from ...core.diloco import DiLoCo
-from ...core.topology import Topology
+from ...core.layout.topology import Topology
 from ..accelerate_worker import needs_no_ddp, prepare_without_ddp, route_ddp_to_worker, worker_topology
 from ..engine_session import EngineSession
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...core import agreement
+from ...core.membership import agreement
 from ..architecture import architecture
 from ..atomic_checkpoints import read_trainer_state
 from ..global_points import check_ranks_agree, fingerprint, global_point_group, wait_for_all_ranks

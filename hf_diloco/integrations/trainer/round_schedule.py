@@ -1,7 +1,7 @@
 """`round_policy: balanced` inside `DiLoCoTrainer`: the Trainer's global step is the run's position, not this worker's
 own count of steps.
 
-Under `balanced` a slower worker runs fewer inner steps per round (`hf_diloco/core/round_policy.py`). The Trainer's
+Under `balanced` a slower worker runs fewer inner steps per round (`hf_diloco/core/rounds/round_policy.py`). The Trainer's
 `global_step`, which its schedules, logging, checkpoint names, evaluation and `max_steps` count, then follows
 `engine.global_step`: the fastest worker's steps, H x R on every worker at the end of round R. A worker of h steps per
 round advances it by about H / h per inner step, and its LR scheduler is stepped as often, so every worker is at the
@@ -14,7 +14,7 @@ Resuming: the checkpoint names every worker's own inner steps (`diloco_worker_st
 batches it trained, not the global step's.
 
 Under elastic membership (`round_policy: steps`) a worker that heals from a live peer takes the job's step with θg
-(`core/elastic.py`): the Trainer follows it the same way. `global_step` and the LR scheduler jump to the job's step,
+(`core/membership/elastic.py`): the Trainer follows it the same way. `global_step` and the LR scheduler jump to the job's step,
 the steps this worker missed count neither in its logged loss nor as trained, and it skips as many batches of its own
 data, so it reads at step t the batches it would have read at step t had it never left: what it missed is skipped,
 as in the raw loop, not trained late. `max_steps`, `save_steps` and `eval_steps` count the job's steps: a healed

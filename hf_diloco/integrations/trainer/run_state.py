@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-    from ...core.topology import Topology
+    from ...core.layout.topology import Topology
     from ...parallel.pipeline import PipelineRunner
     from ..engine_session import EngineSession
 

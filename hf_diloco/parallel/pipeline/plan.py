@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from ...core.fragments import config_value, eval_mode, find_block_stack, layer_stacks
+from ...core.layout.fragments import config_value, eval_mode, find_block_stack, layer_stacks
 
 IGNORE_INDEX = -100
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}

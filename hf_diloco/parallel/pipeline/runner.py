@@ -15,8 +15,8 @@ from .plan import SCHEDULES
 from .stages import build_stages, free_other_stages
 
 if TYPE_CHECKING:
-    from ...core.config import DiLoCoConfig
-    from ...core.topology import Topology
+    from ...core.layout.topology import Topology
+    from ...core.settings.config import DiLoCoConfig
 
 
 class PipelineRunner:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ...core.fragments import eval_mode
+from ...core.layout.fragments import eval_mode
 from .plan import (
     PipelineMismatchError,
     PipelinePlan,

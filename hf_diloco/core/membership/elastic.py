@@ -38,20 +38,20 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_shared_state, shared_state
+from ..exchange.exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange, unmasked_collective_error
+from ..rounds.checkpoint import load_shared_state, shared_state
+from ..rounds.fragment import Fragment, InFlight
+from ..settings.settings_check import check_same_published
 from .elastic_background import BackgroundExchange, running_in_background
-from .exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange, unmasked_collective_error
-from .fragment import Fragment, InFlight
 from .membership import Membership, RoundView
-from .settings_check import check_same_published
 
 if TYPE_CHECKING:
-    from .config import DiLoCoConfig
-    from .exchange import OuterExchange
-    from .overlap import Overlap
-    from .round_policy import RoundClock, RoundPolicy
-    from .rounds import DivergenceGuard, RoundKeeper
-    from .stats import EngineStats
+    from ..exchange.exchange import OuterExchange
+    from ..rounds.overlap import Overlap
+    from ..rounds.round_policy import RoundClock, RoundPolicy
+    from ..rounds.rounds import DivergenceGuard, RoundKeeper
+    from ..rounds.stats import EngineStats
+    from ..settings.config import DiLoCoConfig
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .lowrank import (
+from ..compression.lowrank import (
     Averager,
     LowRankCompressor,
     LowRankResult,
@@ -44,7 +44,7 @@ from .lowrank import (
     energy_terms,
     orthonormalize,
 )
-from .shard import ShardLayout
+from ..layout.shard import ShardLayout
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,12 @@ import torch.optim.optimizer as optimizer_module
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .buffers import BufferPool
-from .exchange import PendingExchange
-from .fragments import Piece
-from .lowrank import LowRankCompressor
-from .outer_schedule import before_step
-from .shard import Values, Worker
+from ..compression.lowrank import LowRankCompressor
+from ..exchange.exchange import PendingExchange
+from ..layout.buffers import BufferPool
+from ..layout.fragments import Piece
+from ..layout.shard import Values, Worker
+from ..settings.outer_schedule import before_step
 
 OptimizerFactory = Callable[[torch.Tensor], torch.optim.Optimizer]
 

@@ -49,22 +49,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .adaptive import CompressionPolicy, Observation
-from .buffers import BufferPool
-from .codecs import COMPRESSIONS, Codec, check_output_vector, coding_pool
-from .config import EXCHANGE_PATTERNS
-from .lowrank import LowRankCompressor
+from ..compression.adaptive import CompressionPolicy, Observation
+from ..compression.codecs import COMPRESSIONS, Codec, check_output_vector, coding_pool
+from ..compression.lowrank import LowRankCompressor
+from ..layout.buffers import BufferPool
+from ..layout.shard import ShardLayout
+from ..layout.topology import Topology, gather_rows
+from ..settings.config import EXCHANGE_PATTERNS
 from .lowrank_split import SplitLowRank
-from .pipelined_exchange import pipeline_pieces, pipelined_reduce_scatter
-from .shard import ShardLayout
-from .topology import Topology, gather_rows
+from .pipelined import pipeline_pieces, pipelined_reduce_scatter
 
 # What crosses workers, and in which collectives. Workers check at start that they agree on it; bump it whenever an
 # exchange changes its collectives or payload layout. 2: the all-gather is an all_to_all, optional entropy coding.
 # 3: an engine's exchange among a fixed group starts with its schedule tag (`ScheduleTag`). 4: low rank with D > 1
 # data-parallel ranks averages each rank's own matrices' factors and share of the rest (`lowrank_split.py`).
 # 5: payloads travel as point-to-point messages, receives posted first (`exchange_point_to_point`).
-# 6: a long `reduce_scatter` shard travels in K pieces, both phases pipelined (`pipelined_exchange.py`).
+# 6: a long `reduce_scatter` shard travels in K pieces, both phases pipelined (`exchange/pipelined.py`).
 WIRE_FORMAT = 6
 
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .codecs import CODEC_BITS
-from .exchange import ExchangeResult
+from ..compression.codecs import CODEC_BITS
+from ..exchange.exchange import ExchangeResult
+from ..layout.shard import Worker
 from .fragment import Fragment, InFlight
-from .shard import Worker
 from .stats import EngineStats, Observers, RoundRecord
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from concurrent.futures import Executor
 import torch
 import torch.distributed as dist
 
-from .codecs import Codec
+from ..compression.codecs import Codec
 
 PIECE_VALUES = 1 << 18  # values of one piece at the least: 1 MB of fp32, well above a message's fixed cost
 MAX_PIECES = 16

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import exchange as exchange_module
-from .config import DiLoCoConfig
-from .exchange import OuterSyncError
-from .fragments import Piece
-from .topology import Topology
+from ..exchange import exchange as exchange_module
+from ..exchange.exchange import OuterSyncError
+from ..layout.fragments import Piece
+from ..layout.topology import Topology
+from ..settings.config import DiLoCoConfig
 
 # Entries of a model's config that may differ between ranks of one run (paths, library versions, kernels chosen
 # for the local hardware); every other entry (e.g. hidden_act, rope_scaling) must agree.

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .devices import placed
-from .exchange import ExchangeResult, PendingExchange
+from ..exchange.exchange import ExchangeResult, PendingExchange
+from ..layout.devices import placed
+from ..settings.settings_check import check_same_settings
 from .fragment import Fragment, InFlight
 from .overlap import in_flight_order
-from .settings_check import check_same_settings
 from .stats import EngineStats
 
 if TYPE_CHECKING:
-    from .config import DiLoCoConfig
+    from ..settings.config import DiLoCoConfig
     from .round_policy import RoundPolicy
     from .rounds import DivergenceGuard, RoundKeeper
 

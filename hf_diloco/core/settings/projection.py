@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from .codecs import make_codec
+from ..compression.codecs import make_codec
 
 # Published training throughput (H100 80GB, bf16, sequence length 2048) from mosaicml/llm-foundry,
 # scripts/train/benchmarking/README.md, table "H100 80GB BF16": (parameters, GPUs, global batch in tokens,

@@ -34,8 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .elastic import MinWorkersTimeout, check_published_settings, check_same_sharding
-from .membership import LoadFn, RoundView, StateFn
+from ..core.membership.elastic import MinWorkersTimeout, check_published_settings, check_same_sharding
+from ..core.membership.membership import LoadFn, RoundView, StateFn
 
 logger = logging.getLogger(__name__)
 SECRET_VARIABLE = "HF_DILOCO_JOB_SECRET"

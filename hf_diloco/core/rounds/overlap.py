@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import DiLoCoConfig
+from ..settings.config import DiLoCoConfig
 from .fragment import Fragment, InFlight, OptimizerFactory, Trajectory
 from .rounds import RoundKeeper
 from .stats import RoundRecord

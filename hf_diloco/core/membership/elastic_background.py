@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .exchange import ExchangeResult, PendingExchange
-from .fragment import Fragment, InFlight
+from ..exchange.exchange import ExchangeResult, PendingExchange
+from ..rounds.fragment import Fragment, InFlight
 
 if TYPE_CHECKING:
     from .membership import RoundView

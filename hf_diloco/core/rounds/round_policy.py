@@ -36,9 +36,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import DiLoCoConfig
-from .fragments import fragments_launched_at, steps_since_launch
-from .topology import Topology, gather_rows
+from ..layout.fragments import fragments_launched_at, steps_since_launch
+from ..layout.topology import Topology, gather_rows
+from ..settings.config import DiLoCoConfig
 
 
 class RoundClock:

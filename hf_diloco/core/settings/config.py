@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from .codecs import COMPRESSIONS, check_topk_density
+from ..compression.codecs import COMPRESSIONS, check_topk_density
 from .outer_schedule import OUTER_LR_SCHEDULES, OuterLrSchedule
 
 ENV_PREFIX = "DILOCO_"
