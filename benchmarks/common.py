@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_diloco.core.exchange.exchange import ScheduleTag
+from hf_diloco.core.exchange.transport import ScheduleTag
 from hf_diloco.core.settings.projection import pattern_bytes
 
 RESULTS_DIR = "benchmarks/results"  # where stored results go, relative to the repository root (commands run there)

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from hf_diloco.core.compression.codecs import make_codec
-from hf_diloco.core.exchange.exchange import deflate_payload, inflate_payload
+from hf_diloco.core.exchange.payloads import deflate_payload, inflate_payload
 
 
 def measure(payload: torch.Tensor, threads: int, repeats: int) -> dict:

@@ -155,10 +155,11 @@ def gloo_role(spec: dict) -> None:
     import torch.distributed as dist
 
     from hf_diloco.core.compression.codecs import make_codec
-    from hf_diloco.core.exchange.exchange import OuterExchange, ScheduleTag
+    from hf_diloco.core.exchange.exchange import OuterExchange
+    from hf_diloco.core.exchange.transport import ScheduleTag
 
     try:
-        from hf_diloco.core.exchange.exchange import exchange_point_to_point
+        from hf_diloco.core.exchange.transport import exchange_point_to_point
     except ImportError:  # a package without it (measuring an older checkout): its own exchanges only
         exchange_point_to_point = None
     from hf_diloco.core.layout.topology import Topology
@@ -210,11 +211,14 @@ def _time_transfers() -> list[float]:
     copies excluded). Wraps `exchange_point_to_point`, or in a package without it the `all_to_all_single` it used."""
     import torch.distributed as dist
 
-    from hf_diloco.core.exchange import exchange as exchange_module
+    try:  # where this package sends payloads point-to-point; a revision of before sent them from `core/exchange.py`
+        from hf_diloco.core.exchange import transport as payload_module
+    except ImportError:
+        import hf_diloco.core.exchange as payload_module
 
     total = [0.0]
-    owner, name = (exchange_module, "exchange_point_to_point")
-    if not hasattr(exchange_module, name):
+    owner, name = (payload_module, "exchange_point_to_point")
+    if not hasattr(payload_module, name):
         owner, name = (dist, "all_to_all_single")
     function = getattr(owner, name)
     if getattr(function, "timed", False):

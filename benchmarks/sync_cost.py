@@ -51,7 +51,7 @@ from torch import nn
 from benchmarks.common import RESULTS_DIR, command_line
 from hf_diloco.core.compression import codecs as package_codecs
 from hf_diloco.core.compression.codecs import COMPRESSIONS, coding_pool, make_codec
-from hf_diloco.core.exchange.exchange import deflate_payload, inflate_payload
+from hf_diloco.core.exchange.payloads import deflate_payload, inflate_payload
 
 BLOCK_SIZES = {"sign": 512}  # the rest at the default 128
 SCALE_DTYPES = {"sign": "bf16"}  # the rest at the default fp32

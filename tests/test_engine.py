@@ -542,7 +542,7 @@ def _skip_one_step_on_rank_one(rank: int, world: int) -> dict:
 
 
 def _one_worker_misses_a_step_call(rank: int, world: int) -> dict:
-    from hf_diloco.core.exchange.exchange import WorkersOutOfStepError
+    from hf_diloco.core.exchange.pending import WorkersOutOfStepError
 
     torch.manual_seed(0)
     model = tiny_model()

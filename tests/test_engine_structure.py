@@ -159,9 +159,7 @@ def test_no_module_of_the_package_imports_itself_through_others():
     """No import circle, counting imports for type checking: each part of the engine serialises itself, and the
     engine composes them (`core/rounds/checkpoint.py` and `core/membership/elastic.py` take parts, never the engine's class)."""
     graph = import_graph()
-    assert (
-        "hf_diloco.core.rounds.checkpoint" in graph["hf_diloco.core.diloco"]
-    )  # the graph sees relative imports
+    assert "hf_diloco.core.rounds.checkpoint" in graph["hf_diloco.core.diloco"]  # the graph sees relative imports
     done: set[str] = set()
 
     def visit(module: str, path: list[str]) -> None:
@@ -226,3 +224,20 @@ def test_benchmarks_observe_the_engine_instead_of_patching_it():
         text = path.read_text()
         assert not re.search(r"DiLoCo\._\w+\s*(,|=)", text), f"{path.name} patches a private engine method"
         assert "engine._" not in text, f"{path.name} reads private engine state"
+
+
+def test_the_exchange_reaches_other_workers_only_through_its_transport():
+    """Across workers the exchange sends, receives and agrees through a `Transport` (`core/exchange/transport.py`);
+    its own torch.distributed calls stay inside the worker (the data-parallel group of its ranks)."""
+    for name in ("exchange.py", "pipelined.py", "payloads.py", "pending.py"):
+        path = CORE / "exchange" / name
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id == "dist":
+                    group = next((k.value for k in node.keywords if k.arg == "group"), None)
+                    text = ast.get_source_segment(source, group) if group is not None else ""
+                    assert "data_parallel_sync_group" in text, (
+                        f"{name}:{node.lineno} dist.{node.func.attr} across workers"
+                    )

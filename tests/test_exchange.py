@@ -13,15 +13,10 @@ import torch
 from hf_diloco import DiLoCo, DiLoCoConfig
 from hf_diloco.core.compression.codecs import make_codec
 from hf_diloco.core.exchange import exchange as exchange_module
-from hf_diloco.core.exchange.exchange import (
-    OuterExchange,
-    OuterGroup,
-    OuterSyncError,
-    PendingExchange,
-    deflate_payload,
-    exchange_point_to_point,
-    inflate_payload,
-)
+from hf_diloco.core.exchange.exchange import OuterExchange
+from hf_diloco.core.exchange.payloads import deflate_payload, inflate_payload
+from hf_diloco.core.exchange.pending import OuterSyncError, PendingExchange
+from hf_diloco.core.exchange.transport import OuterGroup, exchange_point_to_point
 from hf_diloco.core.layout.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import INNER_LR, inner_step, tiny_llama, tiny_model, train_engine
@@ -565,7 +560,7 @@ def _lost_peer_site(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
     from torchft import ProcessGroupGloo
 
-    from hf_diloco.core.exchange.exchange import unmasked_collective_error
+    from hf_diloco.core.exchange.pending import unmasked_collective_error
     from tests.dist_utils import free_port
 
     store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False) if rank == 0 else None

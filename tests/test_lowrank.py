@@ -20,7 +20,8 @@ from hf_diloco.core.compression.adaptive import (
 )
 from hf_diloco.core.compression.codecs import make_codec
 from hf_diloco.core.compression.lowrank import LowRankCompressor, orthonormalize
-from hf_diloco.core.exchange.exchange import OuterExchange, ScheduleTag
+from hf_diloco.core.exchange.exchange import OuterExchange
+from hf_diloco.core.exchange.transport import ScheduleTag
 from hf_diloco.core.layout.topology import Topology
 from tests.dist_utils import run_on_processes
 from tests.engine_common import ADAPTIVE_DENSE_SIGN, VOCAB, train_engine

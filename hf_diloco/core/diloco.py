@@ -21,8 +21,10 @@ from torch.utils.hooks import RemovableHandle
 from .compression.adaptive import WindowEnergyPolicy, policy_compressions
 from .compression.codecs import CODEC_BITS, make_codec
 from .compression.lowrank import LowRankCompressor
-from .exchange.exchange import OuterExchange, PendingExchange, ScheduleTag
+from .exchange.exchange import OuterExchange
 from .exchange.lowrank_split import assign_owners
+from .exchange.pending import PendingExchange
+from .exchange.transport import ScheduleTag
 from .layout.buffers import BufferPool
 from .layout.devices import local_device
 from .layout.fragments import Piece, find_block_stack, partition_fragments

@@ -35,16 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import os
-import queue
-import struct
 import threading
 import time
-import zlib
 from collections.abc import Callable
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -54,10 +49,13 @@ from ..compression.codecs import COMPRESSIONS, Codec, check_output_vector, codin
 from ..compression.lowrank import LowRankCompressor
 from ..layout.buffers import BufferPool
 from ..layout.shard import ShardLayout
-from ..layout.topology import Topology, gather_rows
+from ..layout.topology import Topology
 from ..settings.config import EXCHANGE_PATTERNS
 from .lowrank_split import SplitLowRank
+from .payloads import LENGTH_BYTES, deflate_payload, inflate_payload
+from .pending import ExchangeResult, PendingExchange, SerialWorker
 from .pipelined import pipeline_pieces, pipelined_reduce_scatter
+from .transport import OuterGroup, ProcessGroupTransport, ScheduleTag, check_in_step
 
 # What crosses workers, and in which collectives. Workers check at start that they agree on it; bump it whenever an
 # exchange changes its collectives or payload layout. 2: the all-gather is an all_to_all, optional entropy coding.
@@ -66,169 +64,6 @@ from .pipelined import pipeline_pieces, pipelined_reduce_scatter
 # 5: payloads travel as point-to-point messages, receives posted first (`exchange_point_to_point`).
 # 6: a long `reduce_scatter` shard travels in K pieces, both phases pipelined (`exchange/pipelined.py`).
 WIRE_FORMAT = 6
-
-
-@dataclass(frozen=True)
-class OuterGroup:
-    """The workers one exchange averages over, when they are not the topology's fixed outer group (elastic
-    membership: the round's members, `elastic.py`).
-
-    Attributes:
-        group: a process group of the round's members, one rank per worker.
-        rank: this worker's rank in it.
-        size: its number of members.
-        contributes: this worker's pseudo-gradient counts (a worker that joined during the fragment's round sends
-            zeros and the average is taken over the contributors only).
-        weight: `round_policy: balanced`: the inner steps this worker trained since its last launch of the fragment;
-            the average is then weighted by them (Σ w_m Δm / Σ w) instead of taken plainly. None: a plain average.
-        step_seconds: `balanced`: this worker's median inner-step time in its round so far (0.0: not measured); the
-            exchange reports the fastest of the members' (`ExchangeResult.fastest_step_seconds`).
-    """
-
-    group: dist.ProcessGroup | None
-    rank: int
-    size: int
-    contributes: bool = True
-    weight: float | None = None
-    step_seconds: float = 0.0
-
-
-@dataclass
-class ExchangeResult:
-    average: torch.Tensor  # fp32, same length as the launched vector
-    residual: torch.Tensor | None  # what the first encode dropped (for error feedback)
-    bytes_sent: int  # cross-worker wire bytes this rank handed to the network
-    bytes_sent_intra_worker: int
-    clipped: bool = False  # this rank's contribution was scaled down by robust aggregation
-    choice: dict | None = None  # the adaptive setting this exchange used (step, rank, compression, reason)
-    contributors: int | None = None  # with an `OuterGroup`: the workers whose pseudo-gradient the average holds
-    scale: float = 1.0  # with a weighted `OuterGroup`: what this worker's Δ was multiplied by (C w_m / Σ w)
-    fastest_step_seconds: float | None = None  # with a weighted `OuterGroup`: the members' fastest step (0: none)
-    # What a low-rank exchange measured, for the adaptive policy's next choices (`OuterExchange.learn`): the link's
-    # rate, and (codec name, bytes sent / `wire_bytes`) with entropy coding.
-    link_bytes_per_second: float | None = None
-    coded_share: tuple[str, float] | None = None
-
-
-class OuterSyncError(RuntimeError):
-    """An outer exchange failed or did not finish in time."""
-
-
-class WorkersOutOfStepError(OuterSyncError):
-    """The workers of an exchange launched it at different points of their schedules: their averages would mix
-    pseudo-gradients of different rounds (or a tail would wait for a peer that never sends one)."""
-
-
-@dataclass(frozen=True)
-class ScheduleTag:
-    """Where in its schedule a worker launches an exchange; every worker of a fixed group must launch each exchange
-    at the same tag. `position` counts in `unit`: the inner step (`round_policy: steps`, every worker launches after
-    the same step) or the outer round (`balanced`, where workers launch after different numbers of steps)."""
-
-    kind: str  # "launch" | "tail"
-    fragment: int
-    position: int
-    unit: str = "inner step"
-
-    KINDS = ("launch", "tail")
-    NBYTES = 24  # sent to each peer before an exchange: three int64
-
-    def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.KINDS.index(self.kind), self.fragment, self.position], dtype=torch.int64)
-
-    def describe(self, row: list[int]) -> str:
-        kind, fragment, position = row
-        what = "its final sync" if kind == 1 else "the outer sync"
-        return f"{what} of fragment {fragment} at {self.unit} {position}"
-
-
-def unmasked_collective_error(error: BaseException) -> BaseException:
-    """The collective's own error. torch's logging wrapper of `dist.*` collectives, handling a failed collective on a
-    group torch.distributed did not create (torchft's elastic groups), raises its own ValueError from `get_backend`,
-    which would hide the gloo error that says what happened."""
-    masked = isinstance(error, ValueError) and "is not initialized in the world group map" in str(error)
-    return error.__context__ if masked and error.__context__ is not None else error
-
-
-class PendingExchange:
-    """A launched exchange. Holds its buffers (inside the closure of the future) until the work is done."""
-
-    def __init__(self, future: Future, description: str, timeout_seconds: float):
-        self._future = future
-        self.description = description
-        self.timeout_seconds = timeout_seconds
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self) -> ExchangeResult:
-        try:
-            return self._future.result(timeout=self.timeout_seconds)
-        except OuterSyncError:
-            raise  # already says what happened and what to do (e.g. workers out of step)
-        except TimeoutError as error:
-            raise OuterSyncError(
-                f"{self.description} did not finish within sync_timeout_seconds={self.timeout_seconds:g}s. A peer "
-                "worker has probably died or its link is down; restart from the latest checkpoint."
-            ) from error
-        except Exception as error:
-            raise self._failure(unmasked_collective_error(error)) from error
-
-    def _failure(self, error: BaseException) -> OuterSyncError:
-        if isinstance(error, RuntimeError):  # gloo: a peer closed the connection, or no answer within the timeout
-            return OuterSyncError(
-                f"{self.description} failed: {error}. A peer worker has probably died, stopped or lost its link "
-                f"(collectives give up after sync_timeout_seconds={self.timeout_seconds:g}s); restart from the latest "
-                "checkpoint."
-            )
-        return OuterSyncError(f"{self.description} failed: {error}")
-
-    @classmethod
-    def run_inline(
-        cls, job: Callable[[], ExchangeResult], description: str, timeout_seconds: float
-    ) -> PendingExchange:
-        """Run `job` on this thread; its failure is raised by `wait()` as an `OuterSyncError`, like a background
-        exchange's. A stalled peer cannot hold it past the gloo groups' timeout (`Topology.from_default_group`)."""
-        future: Future = Future()
-        try:
-            future.set_result(job())
-        except Exception as error:
-            future.set_exception(error)
-        return cls(future, description, timeout_seconds)
-
-    @classmethod
-    def completed(cls, result: ExchangeResult, description: str = "restored exchange") -> PendingExchange:
-        future: Future = Future()
-        future.set_result(result)
-        return cls(future, description, timeout_seconds=0.0)
-
-
-class _SerialWorker:
-    """One daemon thread running submitted jobs in order (a stuck collective must not block interpreter exit)."""
-
-    def __init__(self, name: str):
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], ExchangeResult]) -> Future:
-        future: Future = Future()
-        self._jobs.put((job, future))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            job, future = self._jobs.get()
-            if job is None:
-                return
-            try:
-                future.set_result(job())
-            except BaseException as error:  # noqa: B036 - handed to the waiting thread
-                future.set_exception(error)
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        self._jobs.put((None, None))
-        self._thread.join(timeout)  # a finished thread before the process group goes away
 
 
 class OuterExchange:
@@ -269,7 +104,7 @@ class OuterExchange:
         self.timeout_seconds = timeout_seconds
         self.delay_seconds: Callable[[], float] | None = None
         self.inline_when_blocking = True
-        self._worker: _SerialWorker | None = None
+        self._worker: SerialWorker | None = None
         self._coding_pool: ThreadPoolExecutor | None = None
         # Payloads received and sent, and the fp32 sum of a `reduce_scatter` chunk: a few buffers of the longest kept
         # between rounds (fresh pages cost several times the writes, `buffers.py`); the lock: an inline exchange and
@@ -318,7 +153,7 @@ class OuterExchange:
         if blocking and self.inline_when_blocking:
             return PendingExchange.run_inline(job, description, self.timeout_seconds)
         if self._worker is None:
-            self._worker = _SerialWorker("diloco-outer-sync")
+            self._worker = SerialWorker("diloco-outer-sync")
         return PendingExchange(self._worker.submit(job), description, self.timeout_seconds)
 
     def learn(self, job: Callable[[], ExchangeResult]) -> ExchangeResult:
@@ -362,7 +197,7 @@ class OuterExchange:
         shards = self.topology.data_parallel_size if shards is None else shards
         workers = workers or self._workers()
         chunk_numel = _padded_length(numel, self.granularity(codec, shards, workers)) // (shards * workers)
-        lengths = _LENGTH_BYTES if self.entropy_coding else 0
+        lengths = LENGTH_BYTES if self.entropy_coding else 0
         if self.pattern == "all_gather":
             return (workers - 1) * (codec.encoded_nbytes(chunk_numel * workers) + lengths)
         return 2 * (workers - 1) * (codec.encoded_nbytes(chunk_numel) + lengths)
@@ -421,6 +256,7 @@ class _ExchangeJob:
         self.schedule = schedule
         topology = exchange.topology
         self.outer = outer or OuterGroup(topology.outer_group, topology.worker_index, topology.num_workers)
+        self.transport = self.outer.transport()
         self.counts_contributors = outer is not None
         self.contributors = self.outer.size
         self.scale, self.fastest_step_seconds = 1.0, None
@@ -441,7 +277,7 @@ class _ExchangeJob:
             time.sleep(ex.delay_seconds())
         self.link_seconds = time.perf_counter() - started
         if self.schedule is not None and not self.counts_contributors:
-            self.sent += check_in_step(self.outer, self.schedule)
+            self.sent += check_in_step(self.transport, self.schedule)
         if not self.outer.contributes:
             self.vector = torch.zeros_like(self.vector)
         if self.counts_contributors and self.outer.weight is not None:
@@ -518,10 +354,10 @@ class _ExchangeJob:
     def _count_contributors(self) -> int:
         """How many of the round's workers contribute (one int64 all-reduced over the round's group)."""
         outer = self.outer
-        if outer.size == 1 or outer.group is None:
+        if self.transport.alone:
             return int(outer.contributes)
         count = torch.tensor([int(outer.contributes)], dtype=torch.int64)
-        dist.all_reduce(count, group=outer.group)
+        self.transport.sum(count)
         self.sent += (outer.size - 1) * count.nbytes
         return int(count)
 
@@ -532,7 +368,7 @@ class _ExchangeJob:
         outer = self.outer
         weight = float(outer.weight) if outer.contributes else 0.0
         mine = torch.tensor([float(outer.contributes), weight, outer.step_seconds], dtype=torch.float64)
-        everyone = gather_rows(mine, outer.group, outer.size)
+        everyone = self.transport.gather_rows(mine)
         self.sent += (everyone.shape[0] - 1) * mine.nbytes
         contributes, weights, seconds = everyone.unbind(dim=1)
         self.contributors = int(contributes.sum())
@@ -549,10 +385,10 @@ class _ExchangeJob:
         norms. A worker that joined during the round sends -1 in place of its norm: its zeros are no contribution and
         must not pull the median down (two joiners beside two contributors would otherwise make it 0)."""
         outer = self.outer
-        if outer.size == 1 or outer.group is None:
+        if self.transport.alone:
             return False
         norm = (self._norm() if outer.contributes else torch.tensor(-1.0)).reshape(1)
-        norms_tensor = gather_rows(norm, outer.group, outer.size).reshape(-1)
+        norms_tensor = self.transport.gather_rows(norm).reshape(-1)
         self.sent += (outer.size - 1) * norm.nbytes
         if not bool(torch.isfinite(norms_tensor).all()):
             return False  # a non-finite contribution poisons the average; the engine skips that round everywhere
@@ -593,7 +429,7 @@ class _ExchangeJob:
             padded[numel:].zero_()
         my_shard = padded.chunk(shards)[index]
         into = out if out is not None and my_shard.numel() == numel else None
-        if self.outer.size == 1 or self.outer.group is None:
+        if self.transport.alone:
             averaged_shard, residual, sent = my_shard.clone() if into is None else into.copy_(my_shard), None, 0
         else:
             started = time.perf_counter()
@@ -629,7 +465,7 @@ class _ExchangeJob:
         if pieces > 1:
             keep = self.exchange.keep_residual
             return pipelined_reduce_scatter(
-                list(chunks), pieces, codec, self.outer.group, self.outer.rank, divisor, pool,
+                list(chunks), pieces, codec, self.transport, divisor, pool,
                 lambda encoded: self._dropped(shard, encoded, codec) if keep else None,
                 self.exchange.scratch, out,
             )  # fmt: skip
@@ -682,15 +518,14 @@ class _ExchangeJob:
             deflated = {key: deflate_payload(p, pool) for key, p in outgoing.items()}
             payloads = [p if j == me else deflated[id(p)] for j, p in enumerate(payloads)]
             sizes = [p.numel() for p in payloads]
-            incoming = torch.empty(len(sizes), dtype=torch.int64)
-            dist.all_to_all_single(incoming, torch.tensor(sizes, dtype=torch.int64), group=outer.group)
-            arriving, sent = incoming.tolist(), (outer.size - 1) * _LENGTH_BYTES
+            incoming = self.transport.exchange_lengths(torch.tensor(sizes, dtype=torch.int64))
+            arriving, sent = incoming.tolist(), (outer.size - 1) * LENGTH_BYTES
         # Nothing is sent to this worker itself: its own payload is used where it is, and what crosses workers
         # travels through reused buffers instead of a fresh concatenation.
         sizes, arriving = _without(sizes, me), _without(arriving, me)
         received = self.exchange.scratch(sum(arriving))
         send = self.exchange.send_buffer([p for j, p in enumerate(payloads) if j != me])
-        exchange_point_to_point(received.split(arriving), send.split(sizes), outer.group, me)
+        self.transport.exchange(send.split(sizes), received.split(arriving))
         sent += sum(sizes)
         parts = list(received.split(arriving))
         parts[me] = payloads[me]
@@ -706,51 +541,6 @@ def gather_inside_worker(topo: Topology, shard: torch.Tensor) -> tuple[torch.Ten
     gathered = torch.empty(topo.data_parallel_size * shard.numel(), dtype=shard.dtype)
     dist.all_gather(list(gathered.chunk(topo.data_parallel_size)), shard, group=topo.data_parallel_sync_group)
     return gathered, (topo.data_parallel_size - 1) * shard.numel() * shard.element_size()
-
-
-def exchange_point_to_point(
-    incoming: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    outgoing: list[torch.Tensor] | tuple[torch.Tensor, ...],
-    group: dist.ProcessGroup | None,
-    me: int,
-) -> None:
-    """What `all_to_all_single` does, as point-to-point messages: `outgoing[j]` to member j of `group`, what member j
-    sends into `incoming[j]` (empty entries, and this member's own, are skipped), every receive posted before any send.
-
-    Why not `all_to_all_single`: gloo's TCP transport sends a payload only after the receiver announced its receive,
-    and queues that announcement behind whatever the connection is already sending. gloo's all_to_all posts its send
-    before its receive, so with two workers the one that posts last streams its whole payload before its announcement
-    can reach the other: the two directions of the full-duplex link take turns, and an exchange took twice the link's
-    time (`benchmarks.link_rate`). Receives posted first announce themselves before any payload is queued.
-    """
-    works = [
-        dist.irecv(part, group=group, group_src=j) for j, part in enumerate(incoming) if j != me and part.numel() > 0
-    ]
-    works += [
-        dist.isend(part, group=group, group_dst=j) for j, part in enumerate(outgoing) if j != me and part.numel() > 0
-    ]
-    for work in works:
-        work.wait()
-
-
-def check_in_step(outer: OuterGroup, schedule: ScheduleTag) -> int:
-    """Lock-step by contract: every worker of the group launched this exchange at the same schedule tag; returns the
-    bytes sent. Each worker sees every tag, so all of them raise together instead of pairing different rounds'
-    payloads."""
-    if outer.size == 1 or outer.group is None:
-        return 0
-    mine = schedule.as_tensor()
-    everyone = gather_rows(mine, outer.group, outer.size)
-    if not bool((everyone == mine).all()):
-        launched = "; ".join(
-            f"worker {worker}: {schedule.describe(row)}" for worker, row in enumerate(everyone.tolist())
-        )
-        raise WorkersOutOfStepError(
-            f"The workers are out of step: {launched}. Every worker must call engine.step() once after every inner "
-            "optimizer step, including steps a GradScaler skipped, and train the same number of steps (the same "
-            "max_steps, gradient_accumulation_steps and resume point); restart every worker from the same checkpoint."
-        )
-    return (outer.size - 1) * schedule.NBYTES
 
 
 def _measured(job: _ExchangeJob, coded: str | None) -> dict:
@@ -783,10 +573,10 @@ def decide_compression(ex: OuterExchange, compressor: LowRankCompressor, context
     choice = ex.policy.choose(observation)
     decision = torch.tensor([choice.rank, COMPRESSIONS.index(choice.compression)], dtype=torch.int64)
     decider = topo.layout.rank_at(0, 0, topo.stage_index)
-    if topo.num_workers > 1 and topo.outer_group is not None:
-        root = topo.outer_peers()[0]
-        dist.broadcast(decision, src=root, group=topo.outer_group)
-        sent += (topo.num_workers - 1) * decision.nbytes if topo.rank == root else 0
+    across = ProcessGroupTransport(topo.outer_group, topo.worker_index, topo.num_workers)
+    if not across.alone:
+        across.broadcast(decision, root=0)  # the outer group's first rank: worker 0's
+        sent += (topo.num_workers - 1) * decision.nbytes if topo.worker_index == 0 else 0
     if topo.data_parallel_size > 1 and topo.data_parallel_sync_group is not None:
         root = topo.layout.rank_at(topo.worker_index, 0, topo.stage_index)
         dist.broadcast(decision, src=root, group=topo.data_parallel_sync_group)
@@ -801,73 +591,6 @@ def decide_compression(ex: OuterExchange, compressor: LowRankCompressor, context
         "reason": reason,
     }
     return record, sent, intra
-
-
-_LENGTH_BYTES = 8  # one int64 payload length per peer and all_to_all, with entropy coding
-_PIECE_BYTES = 1 << 20  # deflated independently, so that threads share the work (zlib releases the GIL)
-_deflate_piece = functools.partial(zlib.compress, level=1)
-
-
-def deflate_payload(payload: torch.Tensor, pool: Executor | None = None) -> torch.Tensor:
-    """The payload's 1 MiB pieces deflated (a little-endian uint32 length per piece, then the zlib streams), when
-    that is shorter than the payload; else the payload itself (what `entropy_coding` sends).
-
-    Args:
-        payload (`torch.Tensor`): 1-D uint8, an encoded payload.
-        pool (`Executor`, *optional*): threads that deflate pieces in parallel (zlib releases the GIL); the bytes are
-            the same without it.
-    """
-    raw = memoryview(payload.contiguous().numpy())
-    pieces = [raw[start : start + _PIECE_BYTES] for start in range(0, len(raw), _PIECE_BYTES)]
-    streams = _map(pool, _deflate_piece, pieces)
-    packed = struct.pack(f"<{len(streams)}I", *map(len, streams)) + b"".join(streams)
-    if len(packed) >= len(raw):
-        return payload
-    return torch.frombuffer(bytearray(packed), dtype=torch.uint8)
-
-
-def inflate_payload(received: torch.Tensor, nbytes: int, worker: int, pool: Executor | None = None) -> torch.Tensor:
-    """Undo `deflate_payload`: a payload of exactly `nbytes` arrived raw, a shorter one deflated.
-
-    Args:
-        received (`torch.Tensor`): 1-D uint8, what arrived from `worker`.
-        nbytes (`int`): the encoded payload's length.
-        worker (`int`): the sender, named in the error.
-        pool (`Executor`, *optional*): threads that inflate pieces in parallel.
-
-    Raises:
-        `ValueError` when the bytes are neither the payload nor its deflated form (a peer with other settings).
-    """
-    if received.numel() == nbytes:
-        return received
-    sizes = [min(_PIECE_BYTES, nbytes - start) for start in range(0, nbytes, _PIECE_BYTES)]
-    data = memoryview(received.contiguous().numpy())
-    header = 4 * len(sizes)
-    if header <= len(data) < nbytes:
-        bounds = list(itertools.accumulate(struct.unpack_from(f"<{len(sizes)}I", data), initial=header))
-        if bounds[-1] == len(data):
-            streams = [data[begin:end] for begin, end in zip(bounds, bounds[1:])]
-            pieces = _map(pool, _inflate_piece, streams, sizes)
-            if all(piece is not None for piece in pieces):
-                return torch.frombuffer(bytearray(b"".join(pieces)), dtype=torch.uint8)
-    raise ValueError(
-        f"worker {worker} sent {received.numel()} bytes that are neither a {nbytes}-byte encoded payload nor its "
-        "deflated form. Every worker must run the same hf_diloco version with the same compression and entropy_coding."
-    )
-
-
-def _map(pool: Executor | None, function: Callable, *iterables) -> list:
-    return list(pool.map(function, *iterables) if pool is not None else map(function, *iterables))
-
-
-def _inflate_piece(stream: memoryview, size: int) -> bytes | None:
-    """The `size` bytes one complete zlib stream holds, or None when it holds anything else."""
-    inflater = zlib.decompressobj()
-    try:
-        raw = inflater.decompress(stream, size)  # never more than size bytes, whatever the stream claims
-    except zlib.error:
-        return None
-    return raw if len(raw) == size and inflater.eof and not inflater.unused_data else None
 
 
 def _without(sizes: list[int], me: int) -> list[int]:

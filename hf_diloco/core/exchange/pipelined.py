@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from ..compression.codecs import Codec
+
+if TYPE_CHECKING:
+    from .transport import Transport
 
 PIECE_VALUES = 1 << 18  # values of one piece at the least: 1 MB of fp32, well above a message's fixed cost
 MAX_PIECES = 16
@@ -41,8 +44,7 @@ def pipelined_reduce_scatter(
     chunks: list[torch.Tensor],
     pieces: int,
     codec: Codec,
-    group: dist.ProcessGroup,
-    me: int,
+    transport: Transport,
     divisor: int,
     pool: Executor | None,
     residual_of: Callable[[list[torch.Tensor]], torch.Tensor | None],
@@ -56,7 +58,7 @@ def pipelined_reduce_scatter(
     Codec `none` sends fp32 as it lies: its payload is the values' own bytes, so the pieces leave from the shard, the
     average is summed straight into `out` and sent from there, and the peers' averages land in `out` too; no payload
     is copied, and the host's passes are the sum's alone. Other codecs receive into scratch and decode at the end."""
-    workers = len(chunks)
+    workers, me = len(chunks), transport.rank
     numel = chunks[0].numel() // pieces
     nbytes = codec.encoded_nbytes(numel)
     peers = [j for j in range(workers) if j != me]
@@ -70,15 +72,15 @@ def pipelined_reduce_scatter(
     else:
         averaged = dict(zip(keys, scratch(len(keys) * nbytes).split(nbytes)))
     receives = {
-        key: dist.irecv(buffer, group=group, group_src=key[0]) for key, buffer in arriving.items()
+        key: transport.receive(buffer, key[0]) for key, buffer in arriving.items()
     }  # phase 1 first, for every peer
-    later = [dist.irecv(buffer, group=group, group_src=j) for (j, _), buffer in averaged.items()]
+    later = [transport.receive(buffer, j) for (j, _), buffer in averaged.items()]
     encode = _as_payload if as_sent else (lambda values: codec.encode(values, pool))
     sends, encoded = [], [[] for _ in chunks]
     for k in range(pieces):  # piece k leaves while piece k + 1 is encoded
         for j, chunk in enumerate(chunks):
             encoded[j].append(encode(chunk[k * numel : (k + 1) * numel]))
-        sends += [dist.isend(encoded[j][k], group=group, group_dst=j) for j in peers]
+        sends += [transport.send(encoded[j][k], j) for j in peers]
     residual = residual_of([payload for row in encoded for payload in row])  # while the pieces travel
     own_average = []
     for k in range(pieces):
@@ -87,7 +89,7 @@ def pipelined_reduce_scatter(
         contributions = [encoded[me][k] if j == me else arriving[j, k] for j in range(workers)]
         average = codec.decode_sum(contributions, numel, pool, out=out_pieces[me][k]).div_(divisor)
         own_average.append(encode(average))
-        sends += [dist.isend(own_average[k], group=group, group_dst=j) for j in peers]
+        sends += [transport.send(own_average[k], j) for j in peers]
     for work in later + sends:
         work.wait()
     if not as_sent:  # every worker's average as the others decode it, this worker's own too

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..exchange import exchange as exchange_module
-from ..exchange.exchange import OuterSyncError
+from ..exchange.pending import OuterSyncError
 from ..layout.fragments import Piece
 from ..layout.topology import Topology
 from ..settings.config import DiLoCoConfig

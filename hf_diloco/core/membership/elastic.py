@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from ..exchange.exchange import ExchangeResult, OuterGroup, OuterSyncError, PendingExchange, unmasked_collective_error
+from ..exchange.pending import ExchangeResult, OuterSyncError, PendingExchange, unmasked_collective_error
+from ..exchange.transport import OuterGroup
 from ..rounds.checkpoint import load_shared_state, shared_state
 from ..rounds.fragment import Fragment, InFlight
 from ..settings.settings_check import check_same_published

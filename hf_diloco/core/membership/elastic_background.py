@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..exchange.exchange import ExchangeResult, PendingExchange
+from ..exchange.pending import ExchangeResult, PendingExchange
 from ..rounds.fragment import Fragment, InFlight
 
 if TYPE_CHECKING:

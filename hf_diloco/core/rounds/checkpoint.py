@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..exchange.exchange import ExchangeResult, PendingExchange
+from ..exchange.pending import ExchangeResult, PendingExchange
 from ..layout.devices import placed
 from ..settings.settings_check import check_same_settings
 from .fragment import Fragment, InFlight

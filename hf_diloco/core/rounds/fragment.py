@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..compression.lowrank import LowRankCompressor
-from ..exchange.exchange import PendingExchange
+from ..exchange.pending import PendingExchange
 from ..layout.buffers import BufferPool
 from ..layout.fragments import Piece
 from ..layout.shard import Values, Worker

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compression.codecs import CODEC_BITS
-from ..exchange.exchange import ExchangeResult
+from ..exchange.pending import ExchangeResult
 from ..layout.shard import Worker
 from .fragment import Fragment, InFlight
 from .stats import EngineStats, Observers, RoundRecord
