@@ -14,7 +14,7 @@ $(BIN)/activate:
 
 # Reinstalled whenever pyproject.toml or the tested releases change (new dependencies, the hf-diloco command).
 $(VENV)/.installed: pyproject.toml constraints.txt $(BIN)/activate
-	$(BIN)/pip install -e ".[dev,plots,trl,elastic,peft]" -c constraints.txt
+	$(BIN)/pip install -e ".[dev,plots,trl,elastic,peft,store]" -c constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed

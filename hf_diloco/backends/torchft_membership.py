@@ -36,10 +36,9 @@ import torch.distributed as dist
 
 from ..core.membership.elastic import MinWorkersTimeout, check_published_settings, check_same_sharding
 from ..core.membership.membership import LoadFn, RoundView, StateFn
+from ..core.settings.secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, job_secret
 
 logger = logging.getLogger(__name__)
-SECRET_VARIABLE = "HF_DILOCO_JOB_SECRET"
-SECRET_FILE_VARIABLE = "HF_DILOCO_JOB_SECRET_FILE"
 # How long one quorum request waits before it is sent again (a Lighthouse restarted at the same address answers only
 # requests made after it came back); `quorum_timeout` bounds them all.
 QUORUM_ATTEMPT_SECONDS = 10.0
@@ -128,7 +127,7 @@ class TorchftMembership:
         self._required = max(min_workers, start_workers)
         self._timeouts = (sync_timeout, quorum_timeout, connect_timeout)
         self.host = host or socket.gethostname()
-        self._secret = _job_secret(secret)
+        self._secret = job_secret(secret)
         self._heal: dict = {}
         self._load_state_dict: LoadFn | None = None
         self.manager = None
@@ -472,23 +471,6 @@ def open_heal_state(envelope: object, step: int, secret: bytes | None, source: s
 def _seal(payload: bytes, step: int, secret: bytes) -> str:
     message = b"hf_diloco heal\0" + str(step).encode() + b"\0" + payload  # the step: an older state is not replayable
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
-
-
-def _job_secret(secret: str | bytes | None) -> bytes | None:
-    """The job's secret: `secret`, else the file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`."""
-    if secret is None and os.environ.get(SECRET_FILE_VARIABLE):
-        path = os.environ[SECRET_FILE_VARIABLE]
-        try:
-            secret = open(path, "rb").read().strip()
-        except OSError as error:
-            raise ValueError(f"{SECRET_FILE_VARIABLE} names {path}, which cannot be read: {error.strerror}.") from None
-        if not secret:
-            raise ValueError(f"{SECRET_FILE_VARIABLE} names {path}, which is empty: write the job's secret there.")
-    if secret is None:
-        secret = os.environ.get(SECRET_VARIABLE) or None
-    if isinstance(secret, str):
-        secret = secret.encode()
-    return secret or None  # an empty secret is none
 
 
 class _RecordingClient:

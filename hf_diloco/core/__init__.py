@@ -11,6 +11,7 @@ it (`tests/test_engine_structure.py` holds the order and the purity):
 | 3 | `exchange/` | averaging a vector across workers: the job, its transport, the pipelined pieces, low rank split |
 | 4 | `rounds/` | a fragment's state, the overlap rules, completing a round, the round policy, stats, checkpoints |
 | 5 | `membership/` | who takes part: start-up agreement, elastic membership and its background exchange |
+| 5 | `store/` | rounds through an object store: contributions, manifests, quorum and grace, snapshots, signing |
 """
 
 # The rooms, lowest floor first; a room imports only rooms of lower floors (rooms on one floor not each other).
@@ -20,5 +21,5 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("settings",),
     ("exchange",),
     ("rounds",),
-    ("membership",),
+    ("membership", "store"),
 )

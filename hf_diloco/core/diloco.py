@@ -47,6 +47,9 @@ from .rounds.rounds import DivergenceGuard, RoundKeeper
 from .rounds.stats import EngineStats, Observers, RoundRecord
 from .settings.config import DiLoCoConfig, refuse_unsupported
 from .settings.outer_schedule import learning_rate_now, scheduled
+from .settings.secret import job_secret
+from .store.objects import ObjectStore
+from .store.rounds import StoreRounds
 
 
 class DiLoCo:
@@ -93,10 +96,13 @@ class DiLoCo:
         num_blocks: int | None = None,
         extra_fingerprint: str = "",
         membership: Membership | None = None,
+        store: ObjectStore | None = None,
     ):
         self.config, self.model, self.inner_optimizer = config, model, inner_optimizer
         config.outer_schedule()  # a decaying outer schedule without its length is refused before any work
-        if membership is not None:
+        check_store_given(config, store, membership)
+        self.tokens_per_step = 1.0  # what a contribution's weight counts through a store (the glue sets tokens)
+        if membership is not None or store is not None:
             check_elastic_supported(config, topology, membership)
             topology = topology or Topology.single_process()
         self.topology = topology or Topology.from_default_group(
@@ -151,6 +157,9 @@ class DiLoCo:
         self.elastic = None if membership is None else ElasticRounds(self, membership)
         if self.elastic is not None:
             self.elastic.join()
+        self.store = None if store is None else StoreRounds(self, store, job_secret())
+        if self.store is not None:
+            self.store.join()
         self._count_outer_state()
 
     # ----------------------------------------------------------------------------------------------- the loop
@@ -166,6 +175,8 @@ class DiLoCo:
         if self.elastic is not None:  # an exchange running behind the inner steps completes first, when due
             self.elastic.background.finish_due(self.inner_step)
         flights = [fragment.flight for fragment in self.fragments]
+        if self.store is not None:
+            self.store.apply_due(self.inner_step)
         self.overlap.apply_due(self.fragments, self.inner_step)
         launches = self.round_policy.launches(self.inner_step)
         for index in launches:
@@ -174,6 +185,12 @@ class DiLoCo:
         if launches or round_ended or _flights_changed(self.fragments, flights):  # what the outer state holds moved
             self._count_outer_state()
         self.clock.step_ends(round_ended)
+
+    @property
+    def job_finished(self) -> bool:
+        """Through a store (`exchange: store`): the job's final round was applied (the first site to finish ended
+        the job); stop training and call `close()`. Always False otherwise."""
+        return self.store is not None and self.store.finished
 
     @property
     def outer_rounds(self) -> int:
@@ -199,6 +216,12 @@ class DiLoCo:
         still held then equals θ0 minus the mean of every pseudo-gradient they produced (a test).
         """
         self._closed = True
+        if self.store is not None:
+            self.store.close()
+            self.overlap.after_close(self.fragments)
+            self.exchange.close()
+            self._count_outer_state()
+            return
         scales = self.round_policy.tail_scales(self.inner_step)  # by fragment index
         tails = [fragment for fragment in self.fragments if scales[fragment.index] is not None]
         for index, delta in self.overlap.close(self.fragments, tails).items():
@@ -270,6 +293,8 @@ class DiLoCo:
 
     def state_dict(self) -> dict:
         """Everything needed to continue bitwise: waits for in-flight exchanges but does not apply them."""
+        if self.store is not None:
+            self.store.drain()  # uploaded and settled: the store holds the rounds, a resume joins from it
         state = checkpoint.engine_state(self._checkpointed_parts(), self.inner_step, self.stats)
         return state if self.elastic is None else self.elastic.with_progress(state)
 
@@ -279,6 +304,8 @@ class DiLoCo:
         self.rounds.stats = self.stats
         if self.elastic is not None:  # live peers, or another site's newer checkpoint, may be ahead of this one
             self.elastic.resume(state)
+        if self.store is not None:  # the store's θg and outer state are the job's; this rank keeps its own θm
+            self.store.resume()
         self._count_outer_state()
 
     def _checkpointed_parts(self) -> checkpoint.CheckpointedParts:
@@ -297,6 +324,9 @@ class DiLoCo:
         self.stats.pseudo_grad_norm = _norm(delta, moved_squared if fragment.residual is None else None)
         if self.elastic is not None:
             self.elastic.launch(fragment, delta)
+            return
+        if self.store is not None:
+            self.store.launch(fragment, delta)
             return
         scale = self.round_policy.weigh(delta, fragment.index)  # `balanced`: this worker's share by its steps
         pending = self._send(fragment, delta, "launch", blocking=self.overlap.blocking)
@@ -445,23 +475,30 @@ def _step_after_close(inner_step: int) -> RuntimeError:
     )
 
 
+def check_store_given(config: DiLoCoConfig, store: ObjectStore | None, membership: Membership | None) -> None:
+    """`exchange: store` and a store go together, and a store job has no membership (the store decides rounds)."""
+    if config.exchange == "store" and store is None:
+        raise ValueError(
+            f"exchange 'store' needs the store: DiLoCo(..., store=hf_diloco.open_store({config.store_url!r})) "
+            "(DiLoCoTrainer, DiLoCoPlugin and hf-diloco pretrain open it from store_url themselves)."
+        )
+    if store is not None and config.exchange != "store":
+        raise ValueError("a store was given but exchange is 'process_group': set exchange: store and store_url.")
+    if store is not None and membership is not None:
+        raise ValueError("exchange 'store' takes no membership: the store decides who contributed to each round.")
+
+
 def check_elastic_supported(
     config: DiLoCoConfig, topology: Topology | None, membership: Membership | None = None
 ) -> None:
     """Refuse, before anything starts, what elastic membership does not run (docs/design.md says why). A site is one
     process, or the S x D ranks (pipeline stages, data-parallel ranks: DDP or FSDP2) of a `topology` of one worker."""
-    refused = []
-    dp, ranks = config.data_parallel_per_worker, config.data_parallel_per_worker * config.pipeline_stages
-    if topology is not None and topology.num_workers > 1:
-        refused.append(
-            f"a fixed topology of {topology.num_workers} workers (one launch is one site: pipeline_stages x "
-            "data_parallel_per_worker must be its number of processes)"
-        )
-    if ranks > 1 and (topology is None or topology.layout.worker_size != ranks):
-        refused.append(
-            f"{ranks} ranks per site without the site's topology (pass Topology.from_default_group("
-            f"{config.pipeline_stages}, {dp}) over the site's {ranks} ranks)"
-        )
+    refused = one_site_refusals(config, topology)
+    ranks = config.data_parallel_per_worker * config.pipeline_stages
+    if membership is None:  # a store job: the store decides rounds, the sites need nothing more of each other
+        refuse_unsupported("A store job runs sites of one process or of one worker's ranks", refused,
+                           "launch each site on its own")  # fmt: skip
+        return
     site_size = getattr(membership, "site_size", 1)
     if site_size != ranks:
         refused.append(
@@ -477,6 +514,23 @@ def check_elastic_supported(
         refused,
         "run without elastic membership",
     )
+
+
+def one_site_refusals(config: DiLoCoConfig, topology: Topology | None) -> list[str]:
+    """What makes a launch more or less than one site (of one process, or of one worker's S x D ranks)."""
+    refused = []
+    dp, ranks = config.data_parallel_per_worker, config.data_parallel_per_worker * config.pipeline_stages
+    if topology is not None and topology.num_workers > 1:
+        refused.append(
+            f"a fixed topology of {topology.num_workers} workers (one launch is one site: pipeline_stages x "
+            "data_parallel_per_worker must be its number of processes)"
+        )
+    if ranks > 1 and (topology is None or topology.layout.worker_size != ranks):
+        refused.append(
+            f"{ranks} ranks per site without the site's topology (pass Topology.from_default_group("
+            f"{config.pipeline_stages}, {dp}) over the site's {ranks} ranks)"
+        )
+    return refused
 
 
 def _make_exchange(topology: Topology, config: DiLoCoConfig) -> OuterExchange:

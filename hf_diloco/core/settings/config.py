@@ -36,6 +36,7 @@ EAGER_ESTIMATES = ("own_share", "fitted")
 EXCHANGE_PATTERNS = ("reduce_scatter", "all_gather")
 SCALE_DTYPES = ("fp32", "bf16")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+EXCHANGES = ("process_group", "store")
 # Where the sites of an elastic job may differ (each names itself and its address): left out of the fingerprint.
 MEMBERSHIP_FIELDS = (
     "lighthouse",
@@ -46,10 +47,12 @@ MEMBERSHIP_FIELDS = (
     "min_workers_timeout",
     "membership_sync_timeout",
 )
+# Where the sites of a store job may differ: how each reaches the store and how long it waits for it.
+STORE_LOCAL_FIELDS = ("store_url", "store_timeout_seconds")
 
 
 # Settings each node may choose for itself (where theta_g lives, how long it waits for peers, its site's membership).
-LOCAL_ONLY_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds", *MEMBERSHIP_FIELDS})
+LOCAL_ONLY_FIELDS = frozenset({"global_copy_device", "sync_timeout_seconds", *MEMBERSHIP_FIELDS, *STORE_LOCAL_FIELDS})
 
 
 def refuse_unsupported(what_runs: str, refused: list[str], way_out: str) -> None:
@@ -356,6 +359,74 @@ class DiLoCoConfig:
         metadata={"help": "Elastic: seconds one exchange or heal may wait for a site before dropping it."},
     )
 
+    # The exchange through an object store: sites that share no network, only a bucket (core/store/).
+    exchange: str = field(
+        default="process_group",
+        metadata={
+            "help": "How the sites exchange: 'process_group' (torch.distributed collectives among workers that reach "
+            "each other) or 'store' (through an object store every site can read and write: store_url; no open port, "
+            "no Lighthouse, rounds closed by quorum within a grace window)."
+        },
+    )
+    store_url: str = field(
+        default="",
+        metadata={
+            "help": "exchange 'store': where the job's objects live, e.g. file:///shared/job, s3://bucket/prefix "
+            "(AWS_ENDPOINT_URL for R2, MinIO or any S3-compatible server), hf://buckets/owner/name/prefix, gs://, "
+            "az://. Credentials come from each store's usual environment variables, never from a flag."
+        },
+    )
+    quorum: int = field(
+        default=1,
+        metadata={"help": "exchange 'store': contributions of this many sites close a round once grace_seconds pass."},
+    )
+    grace_seconds: float = field(
+        default=10.0,
+        metadata={
+            "help": "exchange 'store': how long a round stays open after its quorum for the sites a little behind "
+            "(with adaptive_grace: the most it may stay open)."
+        },
+    )
+    adaptive_grace: bool = field(
+        default=False,
+        metadata={
+            "help": "exchange 'store': the grace window follows how late the other sites came in the last rounds "
+            "(1.5 x their 90th percentile), at most grace_seconds."
+        },
+    )
+    round_deadline_seconds: float = field(
+        default=600.0,
+        metadata={"help": "exchange 'store': a round closes with whatever is in after this long, quorum or not."},
+    )
+    max_staleness: int = field(
+        default=2,
+        metadata={
+            "help": "exchange 'store': a contribution that missed its round enters a later one, weighted by "
+            "tokens / (1 + rounds late), up to this many rounds late."
+        },
+    )
+    snapshot_every: int = field(
+        default=10,
+        metadata={
+            "help": "exchange 'store': every this many rounds the site that closed the round writes theta_g and the "
+            "outer state, from which a late or restarted site joins."
+        },
+    )
+    store_timeout_seconds: float = field(
+        default=300.0,
+        metadata={
+            "help": "exchange 'store': how long one store request may keep failing (retried with backoff) before "
+            "the run stops with an error naming the store."
+        },
+    )
+    insecure_no_secret: bool = field(
+        default=False,
+        metadata={
+            "help": "Run without the job's secret (HF_DILOCO_JOB_SECRET_FILE / HF_DILOCO_JOB_SECRET): objects and "
+            "peers are then not authenticated. Only for a store or network nobody else can write to."
+        },
+    )
+
     def __post_init__(self) -> None:
         self.validate_diloco()
 
@@ -501,6 +572,42 @@ class DiLoCoConfig:
         if not str(self.global_copy_device):
             raise ValueError("global_copy_device must name a device, e.g. 'cpu'.")
         self._validate_membership()
+        self._validate_store()
+
+    def _validate_store(self) -> None:
+        _check_choice("exchange", self.exchange, EXCHANGES)
+        _check_int("quorum", self.quorum, minimum=1)
+        _check_int("max_staleness", self.max_staleness, minimum=0)
+        _check_int("snapshot_every", self.snapshot_every, minimum=1)
+        for name in ("grace_seconds", "round_deadline_seconds", "store_timeout_seconds"):
+            _check_float(name, getattr(self, name), low=0.0, low_open=name != "grace_seconds")
+        for name in ("adaptive_grace", "insecure_no_secret"):
+            _check_bool(name, getattr(self, name))
+        if not isinstance(self.store_url, str):
+            raise ValueError(f"store_url must be a string, got {self.store_url!r}.")
+        if self.exchange != "store":
+            if self.store_url:
+                raise ValueError(f"store_url ({self.store_url}) needs exchange: store; set it, or drop store_url.")
+            return
+        if not self.store_url or "://" not in self.store_url:
+            raise ValueError(
+                "exchange 'store' needs store_url: where the job's objects live, e.g. file:///shared/job, "
+                f"s3://bucket/prefix or hf://buckets/owner/name/prefix (got {self.store_url!r})."
+            )
+        if not self.site:
+            raise ValueError("exchange 'store' needs site: this site's name, unique in the job (e.g. its host name).")
+        if self.lighthouse:
+            raise ValueError("exchange 'store' needs no Lighthouse: drop lighthouse (the store decides each round).")
+        refused = []
+        if self.overlap != "streaming":
+            refused.append(f"overlap '{self.overlap}' (its estimate assumes every worker in every round)")
+        if self.round_policy != "steps":
+            refused.append(f"round_policy '{self.round_policy}' (a store round never waits for a slow site anyway)")
+        if self.lowrank_rank or self.adaptive_compression:
+            refused.append("low-rank or adaptive compression (they need every worker in every factor's average)")
+        refuse_unsupported(
+            "exchange 'store' runs streaming rounds of any codec", refused, "use exchange: process_group"
+        )
 
     def _check_balanced(self) -> None:
         refused = []
@@ -523,8 +630,11 @@ class DiLoCoConfig:
         _check_float("min_workers_timeout", self.min_workers_timeout, low=0.0, low_open=True)
         _check_float("membership_sync_timeout", self.membership_sync_timeout, low=0.0, low_open=True)
         if not self.lighthouse:
-            if self.site:
-                raise ValueError(f"site ({self.site!r}) needs lighthouse: set the Lighthouse's address, or drop site.")
+            if self.site and self.exchange != "store":
+                raise ValueError(
+                    f"site ({self.site!r}) needs lighthouse (elastic sites) or exchange: store (sites through an object "
+                    "store); set one, or drop site."
+                )
             return
         if not self.lighthouse.startswith(("http://", "https://")) or "://" == self.lighthouse[-3:]:
             raise ValueError(
@@ -564,6 +674,14 @@ class DiLoCoConfig:
             "outer_lr_warmup_rounds": 0,
             "outer_lr_final_fraction": 0.1,
             "outer_lr_total_rounds": 0,
+            "exchange": "process_group",
+            "quorum": 1,
+            "grace_seconds": 10.0,
+            "adaptive_grace": False,
+            "round_deadline_seconds": 600.0,
+            "max_staleness": 2,
+            "snapshot_every": 10,
+            "insecure_no_secret": False,
         }
         shared = {k: v for k, v in self.shared_settings().items() if not (k in added_later and v == added_later[k])}
         return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
