@@ -23,8 +23,6 @@ from .compression.codecs import CODEC_BITS, make_codec
 from .compression.lowrank import LowRankCompressor
 from .exchange.exchange import OuterExchange
 from .exchange.lowrank_split import assign_owners
-from .exchange.pending import PendingExchange
-from .exchange.transport import ScheduleTag
 from .layout.buffers import BufferPool
 from .layout.devices import local_device
 from .layout.fragments import Piece, find_block_stack, partition_fragments
@@ -40,6 +38,7 @@ from .membership.agreement import (
 from .membership.elastic import ElasticRounds
 from .membership.membership import Membership
 from .rounds import checkpoint
+from .rounds.fixed import FixedGroupRounds
 from .rounds.fragment import Fragment, InFlight, outer_state_bytes
 from .rounds.overlap import Overlap, make_overlap
 from .rounds.round_policy import RoundClock, make_round_policy
@@ -154,6 +153,7 @@ class DiLoCo:
         self.clock = RoundClock()  # each inner step's compute time and the engine's; read by the round policy
         self.round_policy = make_round_policy(config, self.topology, elastic=membership is not None)
         self._closed = False
+        self.fixed_group = FixedGroupRounds(self)
         self.elastic = None if membership is None else ElasticRounds(self, membership)
         if self.elastic is not None:
             self.elastic.join()
@@ -322,52 +322,13 @@ class DiLoCo:
         moved_squared = fragment.record_drift(moved, start)
         delta = fragment.with_residual(moved)
         self.stats.pseudo_grad_norm = _norm(delta, moved_squared if fragment.residual is None else None)
-        if self.elastic is not None:
-            self.elastic.launch(fragment, delta)
-            return
-        if self.store is not None:
-            self.store.launch(fragment, delta)
-            return
-        scale = self.round_policy.weigh(delta, fragment.index)  # `balanced`: this worker's share by its steps
-        pending = self._send(fragment, delta, "launch", blocking=self.overlap.blocking)
-        flight = InFlight(pending, self.inner_step + self.overlap.apply_delay, sent=delta, scale=scale)
-        self.overlap.launched(fragment, flight)
+        (self.elastic or self.store or self.fixed_group).launch(fragment, delta)
 
     def _sync_tail(self, fragment: Fragment, delta: torch.Tensor, scale: float = 1.0) -> None:
         if self.elastic is not None:
             self.elastic.tail(fragment, delta)
-            return
-        delta = delta * scale if scale != 1.0 else delta
-        pending = self._send(fragment, delta, "tail", blocking=True)
-        record = self.rounds.apply_tail(fragment, InFlight(pending, self.inner_step, sent=delta, scale=scale))
-        fragment.write_local(fragment.theta_g)
-        self.rounds.publish(record)
-
-    def _send(self, fragment: Fragment, delta: torch.Tensor, kind: str, blocking: bool) -> PendingExchange:
-        """Launch the exchange of one fragment's pseudo-gradient (`kind`: a round's "launch" or a "tail" of
-        `close()`), its average decoded into the fragment's buffer; the workers first check they are in step."""
-        peers = self.topology.outer_peers()
-        what = "outer sync" if kind == "launch" else "final outer sync"
-        position, unit = self.round_policy.schedule_position(self.inner_step)
-        return self.exchange.launch(
-            delta.cpu(),
-            f"{what} of fragment {fragment.index} at inner step {self.inner_step} with peers {peers}",
-            blocking=blocking,
-            compressor=fragment.compressor,
-            context=self._launch_context(fragment),
-            layout=fragment.values.layout,
-            out=fragment.average_buffer(),
-            schedule=ScheduleTag(kind, fragment.index, position, unit),
-        )
-
-    def _launch_context(self, fragment: Fragment) -> dict:
-        """What an adaptive policy needs to know about this launch (how much compute the exchange can hide behind)."""
-        return {
-            "step": self.inner_step,
-            "fragment": fragment.index,
-            "step_seconds": self.clock.seconds,
-            "overlap_steps": self.overlap.overlap_steps,
-        }
+        else:
+            self.fixed_group.tail(fragment, delta, scale)
 
     def _count_intra_worker_bytes(self, sent: int) -> None:
         self.stats.bytes_sent_intra_worker += sent

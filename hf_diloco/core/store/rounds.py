@@ -28,12 +28,9 @@ docs/design.md, "Sites that cannot reach each other", has the rest: the objects,
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import secrets
 import time
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -42,14 +39,14 @@ import torch
 
 from ..exchange.pending import ExchangeResult, OuterSyncError, PendingExchange, SerialWorker
 from ..rounds.fragment import Fragment, InFlight
-from ..settings.settings_check import check_same_published
-from .board import RoundBoard, SettingsMismatchError
-from .manifest import ClosingRule, Contribution, Manifest, weigh
+from .board import RoundBoard
+from .joining import Snapshots, check_job, model_description, replay_after
+from .manifest import Manifest
 from .names import check_site_name
-from .objects import BoundedStore, ObjectStore, check_create_if_absent
-from .sealing import JobKeys
+from .objects import BoundedStore, ObjectStore
+from .sealing import JobKeys, sha256
+from .settle import RoundSettler, Settled
 from .site import SiteGroup
-from .tensors import from_safetensors, to_safetensors
 
 if TYPE_CHECKING:
     from ..exchange.exchange import OuterExchange
@@ -87,18 +84,6 @@ class StoreFlight:
 
 
 @dataclass
-class Settled:
-    """What the store thread hands the training thread for one launch: every round to apply, in order, with this
-    rank's share of its average; the residual of this rank's encode; the bytes and the time it waited."""
-
-    rounds: list[tuple[Manifest, torch.Tensor | None]]
-    residual: torch.Tensor | None
-    bytes_up: int
-    bytes_down: int
-    wait_seconds: float
-
-
-@dataclass
 class StoreLog:
     """The rounds this site applied, for logs, metrics and the model card."""
 
@@ -113,6 +98,7 @@ class StoreLog:
             "mean_sites": round(sum(sites) / len(sites), 2) if sites else 0.0,
             "late_contributions": sum(entry["late"] for entry in self.rounds),
             "closed_at_deadline": sum(1 for entry in self.rounds if not entry["quorum_met"]),
+            "clipped": sorted({site for entry in self.rounds for site in entry.get("clipped", [])}),
         }
 
 
@@ -129,19 +115,24 @@ class StoreRounds:
         config = engine.config
         check_site_name(config.site)
         self.engine, self.config = engine, config
-        self.keys = JobKeys(secret, insecure=config.insecure_no_secret)
-        self.site = SiteGroup(engine.topology, config.sync_timeout_seconds)
+        keys = JobKeys(secret, insecure=config.insecure_no_secret)
+        waits = config.sync_timeout_seconds + 2 * config.round_deadline_seconds + config.store_timeout_seconds
+        self.site = SiteGroup(engine.topology, waits)
         incarnation = f"{self.site.share([secrets.randbits(48)])[0]:012x}"
         self.bounded = BoundedStore(store, config.store_timeout_seconds)
-        self.board = RoundBoard(self.bounded, self.keys, config.site, incarnation, self.site.index, self.site.size)
-        self.rule = ClosingRule(config.quorum, config.grace_seconds, config.round_deadline_seconds,
-                                config.adaptive_grace)  # fmt: skip
+        self.board = RoundBoard(self.bounded, keys, config.site, incarnation, self.site.index, self.site.size)
         self.thread = SerialWorker("diloco-store")
         self.applied = {fragment.index: 0 for fragment in engine.fragments}
         self.finished_fragments: set[int] = set()
         self.flights: dict[int, StoreFlight] = {}
         self.launched_at = {fragment.index: 0 for fragment in engine.fragments}
         self._in_manifests: dict[int, dict[int, set]] = {fragment.index: {} for fragment in engine.fragments}
+        self.settler = RoundSettler(
+            config, self.board, self.site, self.bounded,
+            lambda: (engine.exchange.codec, engine.exchange.coding_pool()), self._applied_idents,
+            lambda: dict(self.applied),
+        )  # fmt: skip
+        self.snapshots = Snapshots(config, self.board, self.site, engine.guard, self.thread)
         self.log = StoreLog()
         stats = engine.stats
         stats.store_rounds = stats.store_late_contributions = stats.store_bytes_up = stats.store_bytes_down = 0
@@ -158,19 +149,25 @@ class StoreRounds:
     def join(self) -> None:
         """Read (or, for a fresh job, write) the job record, load each fragment's latest snapshot, replay the rounds
         after it, and continue at the job's step."""
-        self._check_job()
-        for fragment in self.engine.fragments:
-            self._load_latest(fragment)
-        rounds = [self.applied[f.index] for f in self.engine.fragments]
-        self.engine.inner_step = self.config.inner_steps * min(rounds) if rounds else 0
-        for fragment in self.engine.fragments:
+        engine = self.engine
+        shares = self.site.gather_hashes(sha256(model_description(engine.fragments).encode()))
+        mine = {
+            "settings": self.config.shared_settings(), "fingerprint": self.config.fingerprint(), "model": shares,
+            "shards": self.site.size, "sharding": "fsdp" if engine.sharded_model else "replicated",
+        }  # fmt: skip
+        check_job(self.config, self.board, self.site, self.bounded, mine)
+        for fragment in engine.fragments:
+            start = self.snapshots.load_latest(fragment)
+            self.applied[fragment.index] = start
+            replay_after(self.board, self.site, fragment.index, start, functools.partial(self._replay, fragment))
+        rounds = [self.applied[f.index] for f in engine.fragments]
+        engine.inner_step = self.config.inner_steps * min(rounds) if rounds else 0
+        for fragment in engine.fragments:
             fragment.write_local(fragment.theta_g)
-            self.launched_at[fragment.index] = self.engine.inner_step
+            self.launched_at[fragment.index] = engine.inner_step
         if any(rounds):
-            logger.warning(
-                "joined the store job at %s from round %s: continuing at inner step %d",
-                self.bounded.url, rounds, self.engine.inner_step,
-            )  # fmt: skip
+            logger.warning("joined the store job at %s after round(s) %s of its fragments: continuing at inner step %d",
+                           self.bounded.url, rounds, engine.inner_step)  # fmt: skip
 
     def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """Send this rank's share of the fragment's pseudo-gradient; its rounds are applied at the overlap mode's
@@ -181,12 +178,13 @@ class StoreRounds:
         tokens = (engine.inner_step - self.launched_at[index]) * engine.tokens_per_step
         self.launched_at[index] = engine.inner_step
         sent = delta.detach().to("cpu", torch.float32).contiguous()
-        job = functools.partial(self._settle_launch, index, sent, self.applied[index], tokens, final=False)
-        description = (
+        job = functools.partial(self.settler.contribute, index, sent, self.applied[index], tokens, False)
+        what = (
             f"the store round of fragment {index} after round {self.applied[index]} at inner step {engine.inner_step}"
         )
-        flight = StoreFlight(self.thread.submit(job), engine.inner_step + self.config.sync_delay, sent, description)
-        self.flights[index] = flight
+        self.flights[index] = StoreFlight(
+            self.thread.submit(job), engine.inner_step + self.config.sync_delay, sent, what
+        )
         if self.config.sync_delay == 0:
             self._apply(fragment, merge=False)
 
@@ -204,7 +202,7 @@ class StoreRounds:
         self.join()
 
     def drain(self) -> None:
-        """Wait for every launch in flight to be uploaded and settled (a checkpoint: the store holds the rest)."""
+        """Wait until every launch in flight is uploaded and settled (a checkpoint: the store holds the rest)."""
         for flight in self.flights.values():
             self._wait(flight)
 
@@ -218,8 +216,8 @@ class StoreRounds:
                 continue
             tail = fragment.pseudo_gradient(fragment.theta_g).detach().to("cpu", torch.float32).contiguous()
             tokens = (self.engine.inner_step - self.launched_at[fragment.index]) * self.engine.tokens_per_step
-            job = functools.partial(self._settle_launch, fragment.index, tail, self.applied[fragment.index], tokens,
-                                    final=True)  # fmt: skip
+            job = functools.partial(self.settler.contribute, fragment.index, tail, self.applied[fragment.index],
+                                    tokens, True)  # fmt: skip
             what = f"the final store round of fragment {fragment.index}"
             self.flights[fragment.index] = StoreFlight(self.thread.submit(job), self.engine.inner_step, tail, what)
             self._apply(fragment, merge=False)
@@ -227,29 +225,32 @@ class StoreRounds:
         self.site.close()
 
     def summary(self) -> dict:
-        return {**self.log.summary(), "ignored_objects": len(self.board.ignored), "store": self.bounded.url}
+        return {**self.log.summary(), "ignored_objects": self.board.ignored, "store": self.bounded.url}
 
     # ----------------------------------------------------------------------------------------------- applying
 
     def _apply(self, fragment: Fragment, merge: bool) -> None:
         flight = self.flights.pop(fragment.index)
-        engine = self.engine
+        stats = self.engine.stats
         started = time.perf_counter()
         settled = self._wait(flight)
-        engine.stats.sync_wait_seconds += time.perf_counter() - started
-        engine.stats.store_wait_seconds += settled.wait_seconds
-        engine.stats.store_bytes_up += settled.bytes_up
-        engine.stats.store_bytes_down += settled.bytes_down
-        residual = settled.residual
-        first = True
-        for manifest, average in settled.rounds:
-            self._apply_round(fragment, manifest, average, flight.sent, settled.bytes_up if first else 0)
-            first = False
+        stats.sync_wait_seconds += time.perf_counter() - started
+        stats.store_wait_seconds += settled.wait_seconds
+        stats.store_bytes_up += settled.bytes_up
+        stats.store_bytes_down += settled.bytes_down
+        for number, (manifest, average) in enumerate(settled.rounds):
+            self._apply_round(fragment, manifest, average, flight.sent, settled.bytes_up if number == 0 else 0)
         if self.config.sync_delay == 0 or not merge or fragment.index in self.finished_fragments:
             fragment.write_local(fragment.theta_g)
         else:
             fragment.merge_local(self.config.merge_alpha)
+        residual = settled.residual
         fragment.residual = None if residual is None else residual.mul_(self.config.error_feedback_decay)
+
+    def _replay(self, fragment: Fragment, round_: int) -> None:
+        """A round decided before this site joined: applied to θg as every site applied it."""
+        manifest, average = self.settler.read_round(fragment.index, round_, fragment.theta_g.numel(), {})
+        self._apply_round(fragment, manifest, average, torch.zeros(0), 0)
 
     def _apply_round(self, fragment: Fragment, manifest: Manifest, average: torch.Tensor | None,
                      sent: torch.Tensor, bytes_sent: int) -> None:  # fmt: skip
@@ -264,41 +265,41 @@ class StoreRounds:
             engine.rounds.publish(record)
         self.applied[index] = manifest.round
         self._remember(index, manifest)
-        engine.stats.store_rounds += 0 if manifest.final else 1
-        engine.stats.store_late_contributions += manifest.late
-        engine.stats.store_sites_in_round = len(manifest.sites)
+        self._book(index, manifest)
+        if manifest.final:
+            self.finished_fragments.add(index)
+        elif manifest.closed_by == self.config.site and manifest.round % self.config.snapshot_every == 0:
+            self.snapshots.write_later(fragment, manifest.round)
+
+    def _book(self, index: int, manifest: Manifest) -> None:
+        """The round in the stats, the log and, where it needs saying, a warning."""
+        stats = self.engine.stats
+        stats.store_rounds += 0 if manifest.final else 1
+        stats.store_late_contributions += manifest.late
+        stats.store_sites_in_round = len(manifest.sites)
+        clipped = [entry for entry in manifest.entries if entry.clip < 1]
+        stats.clipped_contributions += len(clipped)
         self.log.rounds.append({
             "fragment": index, "round": manifest.round, "sites": len(manifest.sites), "late": manifest.late,
             "quorum_met": manifest.quorum_met, "closed_by": manifest.closed_by, "final": manifest.final,
+            "clipped": [entry.contribution.site for entry in clipped],
         })  # fmt: skip
-        for entry in manifest.entries:
-            if entry.clip < 1:
-                engine.stats.clipped_contributions += 1
-                logger.warning(
-                    "round %d of fragment %d scaled site %s's contribution down to %.3g of itself: its norm %.3g is "
-                    "over robust_clip_factor=%g x the round's lower median norm", manifest.round, index,
-                    entry.contribution.site, entry.clip, entry.contribution.norm, self.config.robust_clip_factor,
-                )  # fmt: skip
-        if manifest.final:
-            self.finished_fragments.add(index)
-        elif not manifest.quorum_met:
+        for entry in clipped:
+            logger.warning(
+                "round %d of fragment %d scaled site %s's contribution down to %.3g of itself: its norm %.3g is over "
+                "robust_clip_factor=%g x the round's lower median norm", manifest.round, index,
+                entry.contribution.site, entry.clip, entry.contribution.norm, self.config.robust_clip_factor,
+            )  # fmt: skip
+        if not manifest.quorum_met and not manifest.final:
             logger.warning(
                 "round %d of fragment %d closed at the deadline (round_deadline_seconds=%g) with %d site(s) of quorum "
                 "%d: %s", manifest.round, index, self.config.round_deadline_seconds, len(manifest.sites),
-                self.config.quorum, ", ".join(manifest.sites),
+                self.config.quorum, ", ".join(manifest.sites) or "none",
             )  # fmt: skip
-        if (
-            manifest.closed_by == self.config.site
-            and not manifest.final
-            and manifest.round % self.config.snapshot_every == 0
-        ):
-            self._snapshot_later(fragment, manifest.round)
 
     def _wait(self, flight: StoreFlight) -> Settled:
-        bound = (
-            self.config.round_deadline_seconds * (1 + self.config.max_staleness)
-            + 4 * self.config.store_timeout_seconds
-        )
+        config = self.config
+        bound = config.round_deadline_seconds * (2 + config.max_staleness) + 4 * config.store_timeout_seconds
         try:
             return flight.future.result(timeout=bound)
         except TimeoutError as error:
@@ -313,236 +314,3 @@ class StoreRounds:
 
     def _applied_idents(self, index: int) -> set:
         return set().union(*self._in_manifests[index].values()) if self._in_manifests[index] else set()
-
-    # ----------------------------------------------------------------------------------------------- the store thread
-
-    def _settle_launch(self, index: int, sent: torch.Tensor, base: int, tokens: float, final: bool) -> Settled:
-        """Upload this rank's share, let the leader settle the rounds to apply, and average each (this rank's share)."""
-        codec, pool = self.engine.exchange.codec, self.engine.exchange.coding_pool()
-        up, down = self.bounded.bytes_up, self.bounded.bytes_down
-        padded = _padded(sent, codec.align)
-        payload = codec.encode(padded, pool)
-        residual = None
-        if self.config.error_feedback:
-            residual = torch.sub(padded, codec.decode(payload, padded.numel(), pool=pool))[: sent.numel()].clone()
-        own = bytes(payload.numpy())
-        shares = self.site.gather_hashes(self.board.put_share(index, base, own, padded.numel(), codec.name))
-        norm = math.sqrt(self.site.total(float(sent.double().pow(2).sum())))
-        started = time.monotonic()
-        if self.site.leader:
-            self.board.put_record(index, base, tokens, shares, final=final, norm=norm)
-            self.board.beat(dict(self.applied))
-        last = self.site.share([self._settle(index, base, final) if self.site.leader else 0])[0]
-        waited = time.monotonic() - started
-        own_ident = (self.config.site, self.board.incarnation, base)
-        rounds = [self._read_round(index, r, padded.numel(), {own_ident: own}) for r in range(base + 1, last + 1)]
-        return Settled(rounds, residual, self.bounded.bytes_up - up, self.bounded.bytes_down - down, waited)
-
-    def _settle(self, index: int, base: int, final: bool) -> int:
-        """(Leader.) The last round to apply now: the first round after `base` once decided (closing it when due),
-        then every round already decided after it; with `final`, up to the fragment's final round."""
-        target, last = base + 1, base
-        idents = self._applied_idents(index)
-        waiting_since, quorum_at, seen = time.monotonic(), None, set()
-        while True:
-            manifest = self.board.manifest(index, target)
-            if manifest is not None:
-                idents |= {entry.contribution.ident for entry in manifest.entries}
-                last, target = target, target + 1
-                waiting_since, quorum_at, seen = time.monotonic(), None, set()
-                if manifest.final or not final:
-                    break
-                continue
-            window = range(target - 1 - self.config.max_staleness, target)
-            pending = [c for c in self.board.contributions(index, window, final) if c.ident not in idents]
-            now = time.monotonic()
-            sites = {c.site for c in pending}
-            for contribution in pending:
-                if contribution.ident not in seen and quorum_at is not None:
-                    self.rule.observe(now - quorum_at)
-                seen.add(contribution.ident)
-            if quorum_at is None and len(sites) >= self.config.quorum:
-                quorum_at = now
-            if self.rule.due(len(sites), None if quorum_at is None else now - quorum_at, now - waiting_since):
-                entries = weigh(pending, target, self.config.max_staleness, self.config.robust_clip_factor)
-                proposal = Manifest(index, target, self.config.site, entries, final=final,
-                                    quorum_met=len(sites) >= self.config.quorum, waited_seconds=now - waiting_since)  # fmt: skip
-                self.board.decide(proposal)
-                continue
-            time.sleep(self._poll_seconds())
-        if not final:  # rounds other sites decided since: a site behind catches up at once
-            while (manifest := self.board.manifest(index, last + 1)) is not None:
-                last += 1
-                if manifest.final:
-                    break
-        return last
-
-    def _poll_seconds(self) -> float:
-        return min(1.0, max(0.05, self.rule.grace() / 4))
-
-    def _read_round(self, index: int, round_: int, numel: int, own: dict) -> tuple[Manifest, torch.Tensor | None]:
-        """Round `round_`'s manifest and this rank's share of its weighted average (None: nothing to average)."""
-        manifest = self.board.manifest(index, round_)
-        if manifest is None:
-            raise OuterSyncError(f"round {round_} of fragment {index} was decided but its manifest cannot be read")
-        if not manifest.entries:
-            return manifest, None
-        codec, pool = self.engine.exchange.codec, self.engine.exchange.coding_pool()
-        nbytes = codec.encoded_nbytes(numel)
-        total = torch.zeros(numel, dtype=torch.float32)
-        part = torch.empty(numel, dtype=torch.float32)
-        for entry in manifest.entries:  # in the manifest's order: every site sums the same way, bit for bit
-            payload = own.get(entry.contribution.ident)
-            if payload is None:
-                payload = self.board.fetch_share(index, entry, nbytes)
-            codec.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8), numel, out=part, pool=pool)
-            total.add_(part.mul_(entry.weight))
-        return manifest, total[: self.engine.fragments[index].theta_g.numel()]
-
-    # ----------------------------------------------------------------------------------------------- snapshots
-
-    def _snapshot_later(self, fragment: Fragment, round_: int) -> None:
-        """Write θg and the outer state after `round_` from the store thread (copies: training goes on)."""
-        payload = snapshot_bytes(fragment, self.engine.guard, round_)
-        self.thread.submit(functools.partial(self._write_snapshot, fragment.index, round_, payload))
-
-    def _write_snapshot(self, index: int, round_: int, payload: bytes) -> None:
-        self.board.put_snapshot(index, round_, payload)
-        self.site.barrier()
-        if self.site.leader:
-            self.board.mark_snapshot(index, round_)
-            self._clean(index, round_)
-
-    def _clean(self, index: int, snapshot_round: int) -> None:
-        """Remove what no live site and no joiner needs any more: rounds before the older of the two newest
-        snapshots and of every live site's position, less the staleness window."""
-        snapshots = self.board.snapshot_rounds(index)
-        keep_snapshot = snapshots[-2] if len(snapshots) > 1 else snapshot_round
-        live = self.board.live_sites(self.config.round_deadline_seconds * 3 + self.config.store_timeout_seconds)
-        positions = [applied.get(index, 0) for applied in live.values()]
-        keep_from = min([keep_snapshot, *positions]) - self.config.max_staleness
-        if keep_from > 0:
-            self.board.delete_before(index, keep_from, keep_snapshot)
-
-    def _load_latest(self, fragment: Fragment) -> None:
-        """θg and the outer state of the fragment's latest complete snapshot (round 0's, written now for a fresh
-        job), then every round decided after it."""
-        index = fragment.index
-        latest = self.board.snapshot_rounds(index) if self.site.leader else []
-        start = self.site.share([latest[-1] if latest else -1])[0]
-        if start < 0:
-            self.board.put_snapshot(index, 0, snapshot_bytes(fragment, self.engine.guard, 0))
-            self.site.barrier()
-            if self.site.leader:
-                self.board.mark_snapshot(index, 0)
-            self.site.barrier()
-            start = 0
-        load_snapshot(fragment, self.engine.guard, self.board.read_snapshot(index, start))
-        self.applied[index] = start
-        last = start
-        if self.site.leader:
-            while self.board.manifest(index, last + 1) is not None:
-                last += 1
-        last = self.site.share([last])[0]
-        for round_ in range(start + 1, last + 1):
-            manifest, average = self._read_round(index, round_, _padded_numel(fragment, self.engine), {})
-            self._apply_round(fragment, manifest, average, torch.zeros(0), 0)
-
-    def _check_job(self) -> None:
-        """Refuse, naming each field, a site whose settings, model or shape differ from the job's; the first site
-        writes the job record."""
-        engine, config = self.engine, self.config
-        if self.site.leader:
-            check_create_if_absent(self.bounded, f"probes/{config.site}-{self.board.incarnation}")
-        mine = {
-            "settings": config.shared_settings(), "fingerprint": config.fingerprint(),
-            "model": model_description(engine), "shards": self.site.size,
-            "sharding": "fsdp" if engine.sharded_model else "replicated",
-        }  # fmt: skip
-        job = self.board.read_job()
-        if job is None and self.site.leader:
-            job = self.board.create_job({**mine, "job_id": secrets.token_hex(8), "created": time.time()})
-        self.site.barrier()
-        job = job or self.board.read_job()
-        if job is None:
-            raise OuterSyncError(f"the store {self.bounded.url} holds no job record after this site's leader wrote it")
-        check_same_published(mine, job, f"The store job at {self.bounded.url} runs",
-                             "start this site with the job's config (hf-diloco configs, or the first site's YAML)",
-                             theirs="the job", ours="this site")  # fmt: skip
-        for key, what in (("model", "model"), ("shards", "ranks per site"), ("sharding", "sharding")):
-            if job.get(key) != mine[key]:
-                raise SettingsMismatchError(
-                    f"The store job at {self.bounded.url} trains another {what} than this site: the job's is "
-                    f"{_short(job.get(key))}, this site's {_short(mine[key])}. Start this site with the job's model and "
-                    "launch (pipeline_stages x data_parallel_per_worker ranks, FSDP or not), or use another store_url "
-                    "for another job."
-                )
-        self.board.job_id = str(job["job_id"])
-
-
-def snapshot_bytes(fragment: Fragment, guard: DivergenceGuard, round_: int) -> bytes:
-    """The safetensors bytes of this rank's share of θg and the fragment's outer state after `round_`."""
-    tensors = {"theta_g": fragment.theta_g.detach().cpu().clone()}
-    state = fragment.outer_optimizer.state.get(fragment.theta_g, {})
-    if torch.is_tensor(state.get("momentum_buffer")):
-        tensors["momentum_buffer"] = state["momentum_buffer"].detach().cpu().clone()
-    metadata = {
-        "round": str(round_),
-        "outer_state": json.dumps({k: v for k, v in state.items() if not torch.is_tensor(v)}),
-        "guard": json.dumps({
-            "scales": guard.scales.get(fragment.index, []),
-            "skipped_in_a_row": guard.skipped_in_a_row.get(fragment.index, 0),
-        }),
-    }  # fmt: skip
-    return to_safetensors(tensors, metadata)
-
-
-def load_snapshot(fragment: Fragment, guard: DivergenceGuard, payload: memoryview) -> None:
-    """θg and the outer optimizer state of this rank's share, and the fragment's guard history, from a snapshot."""
-    tensors, metadata = from_safetensors(payload, {"theta_g": fragment.theta_g.numel()})
-    fragment.theta_g.copy_(tensors["theta_g"].reshape(fragment.theta_g.shape))
-    state = {k: v for k, v in json.loads(metadata.get("outer_state", "{}")).items()}
-    if "momentum_buffer" in tensors:
-        state["momentum_buffer"] = (
-            tensors["momentum_buffer"].to(fragment.theta_g.device).reshape(fragment.theta_g.shape)
-        )
-    fragment.outer_optimizer.state.pop(fragment.theta_g, None)
-    if state:
-        fragment.outer_optimizer.state[fragment.theta_g] = state
-    history = json.loads(metadata.get("guard", "{}"))
-    guard.scales[fragment.index] = [float(s) for s in history.get("scales", [])]
-    guard.skipped_in_a_row[fragment.index] = int(history.get("skipped_in_a_row", 0))
-
-
-def model_description(engine: StoreEngine) -> str:
-    """The fragments' pieces and sizes this rank holds: what every site's same rank must hold alike."""
-    return ";".join(
-        f"{fragment.index}:"
-        + ",".join(f"{piece.name}[{piece.start}:{piece.stop}]" for piece in fragment.pieces)
-        + f"={fragment.theta_g.numel()}"
-        for fragment in engine.fragments
-    )
-
-
-def _padded_numel(fragment: Fragment, engine: StoreEngine) -> int:
-    align = engine.exchange.codec.align
-    return max(1, math.ceil(fragment.theta_g.numel() / align)) * align
-
-
-def _padded(values: torch.Tensor, align: int) -> torch.Tensor:
-    padded_numel = max(1, math.ceil(values.numel() / align)) * align
-    if padded_numel == values.numel():
-        return values
-    padded = torch.zeros(padded_numel, dtype=torch.float32)
-    padded[: values.numel()].copy_(values)
-    return padded
-
-
-def _short(value: object, limit: int = 160) -> str:
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def contributions_of(manifests: Sequence[Manifest]) -> list[Contribution]:
-    """Every contribution the manifests apply (tests and the replaying reference read them)."""
-    return [entry.contribution for manifest in manifests for entry in manifest.entries]
