@@ -27,19 +27,32 @@ logger = logging.getLogger(__name__)
 
 
 def check_one_process_per_site(config: DiLoCoConfig, processes: int) -> None:
-    """Refuse a launch under elastic membership (`config.lighthouse` set) that is not one site: one process, or the
-    `pipeline_stages` x `data_parallel_per_worker` ranks of one worker."""
+    """Refuse a launch of sites (elastic: `config.lighthouse` set; or through a store: `exchange: store`) that is not
+    one site: one process, or the `pipeline_stages` x `data_parallel_per_worker` ranks of one worker."""
     ranks = config.pipeline_stages * config.data_parallel_per_worker
-    if config.lighthouse and processes > 1 and processes != ranks:
+    sites = (
+        f"lighthouse is set ({config.lighthouse})"
+        if config.lighthouse
+        else f"exchange is 'store' ({config.store_url})"
+    )
+    if (config.lighthouse or config.exchange == "store") and processes > 1 and processes != ranks:
         raise ValueError(
-            f"lighthouse is set ({config.lighthouse}) but this launch has {processes} processes with "
-            f"pipeline_stages x data_parallel_per_worker = {config.pipeline_stages} x "
-            f"{config.data_parallel_per_worker}: under elastic membership one launch is one site, of one process or "
+            f"{sites} but this launch has {processes} processes with pipeline_stages x data_parallel_per_worker = "
+            f"{config.pipeline_stages} x {config.data_parallel_per_worker}: one launch is one site, of one process or "
             f"of one worker's ranks. Set data_parallel_per_worker (times pipeline_stages) to {processes} to make these "
             "processes one site (every site of the job with as many), or launch one process per site (`torchrun "
-            "--nproc_per_node 1`, or plain `python`/`hf-diloco pretrain`) with its own `site`, or unset lighthouse for "
-            "a fixed membership of these processes."
+            "--nproc_per_node 1`, or plain `python`/`hf-diloco pretrain`) with its own `site`."
         )
+
+
+def store_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
+    """The store of `config.store_url` when `exchange: store` (`hf_diloco.backends.object_store`), else None."""
+    if config.exchange != "store":
+        return None
+    check_one_process_per_site(config, topology.num_workers * topology.layout.worker_size)
+    from ..backends.object_store import open_store
+
+    return open_store(config.store_url)
 
 
 def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
@@ -99,6 +112,7 @@ class EngineSession:
         announce: bool = False,
         num_blocks: int | None = None,
         extra_fingerprint: str = "",
+        tokens_per_step: float = 1.0,
     ) -> EngineSession:
         """
         Create the engine and, when `announce`, log the start-up line and the short-run warning.
@@ -108,6 +122,8 @@ class EngineSession:
             total_steps (`int`): the inner steps the run will take (0 when unknown).
             steps_label (`str`, *optional*): what the start-up line calls those steps.
             announce (`bool`, *optional*): whether this process speaks for the run (the main process).
+            tokens_per_step (`float`, *optional*): the tokens one inner step of this site trains (all its ranks): a
+                store round weighs each site's contribution by them (1: by steps).
         """
         # A decaying outer schedule spans the run: its rounds from the steps the run will take, where they are known.
         config = config.with_outer_schedule_length(total_steps if steps_label == "steps" else 0)
@@ -120,7 +136,9 @@ class EngineSession:
             num_blocks=num_blocks,
             extra_fingerprint=extra_fingerprint,
             membership=membership,
+            store=store_from_config(config, topology),
         )
+        engine.tokens_per_step = tokens_per_step
         if announce:
             logger.warning(run_summary(engine, total_steps, steps_label))
             warning = config.short_run_warning(total_steps) if total_steps > 0 else None

@@ -92,6 +92,19 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
         per_site = " x ".join(_count(count, name) for count, name in parts if count > 1) or "one process"
         grid = f"elastic, site {config.site}, min_workers {config.min_workers}: {per_site} per site"
         traffic = f"each exchange among the sites present then, found by the Lighthouse at {config.lighthouse}"
+    elif engine.store is not None:
+        parts = [(topology.data_parallel_size, "data-parallel rank"), (topology.pipeline_stages, "pipeline stage")]
+        per_site = " x ".join(_count(count, name) for count, name in parts if count > 1) or "one process"
+        grace = f"{config.grace_seconds:g} s" + (" at most, adaptive" if config.adaptive_grace else "")
+        grid = (
+            f"through the store {engine.store.bounded.url}, site {config.site}: {per_site} per site; a round closes "
+            f"with quorum {config.quorum} after a grace window of {grace} (deadline {config.round_deadline_seconds:g} "
+            f"s)"
+        )
+        traffic = (
+            f"{_human_bytes(engine.store.bytes_per_round())} written per rank per outer round (each site reads the "
+            "others')"
+        )
     elif workers == 1:
         traffic = "nothing crosses workers (one worker: launch several processes for several workers)"
     else:

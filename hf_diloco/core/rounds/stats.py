@@ -51,6 +51,10 @@ class EngineStats(Mapping):
             elastic membership only (`elastic.py`): the workers in the last exchange's group, the rises and falls of
             that number over the run, exchanges retried after a failure, times this worker healed from a live peer
             and what that cost it.
+        store_rounds, store_sites_in_round, store_late_contributions, store_wait_seconds, store_bytes_up,
+            store_bytes_down: through a store only (`store/rounds.py`): the rounds applied, the sites whose
+            contributions the last one applied, contributions applied a round or more late, the time this site's
+            leader waited for rounds to be decided, and the bytes this rank wrote to and read from the store.
     """
 
     outer_steps: int = 0
@@ -76,6 +80,12 @@ class EngineStats(Mapping):
     heals: int | None = None
     heal_bytes: int | None = None
     heal_seconds: float | None = None
+    store_rounds: int | None = None
+    store_sites_in_round: int | None = None
+    store_late_contributions: int | None = None
+    store_wait_seconds: float | None = None
+    store_bytes_up: int | None = None
+    store_bytes_down: int | None = None
     fragment_syncs: dict[int, int] = field(default_factory=dict)
     fragment_bytes_sent: dict[int, int] = field(default_factory=dict)
 

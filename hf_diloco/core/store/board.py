@@ -10,17 +10,16 @@ hash the manifest pinned stops the run (`TamperedStoreError`): applying anything
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
-from .manifest import Contribution, Entry, Manifest
+from .manifest import Contribution, Manifest
 from .names import StoreNames
 from .objects import BoundedStore
-from .sealing import JobKeys, UntrustedObject, header_bytes_needed, open_header, seal, sha256, unseal
+from .sealing import JobKeys, UntrustedObject, seal, sha256, unseal
 
 logger = logging.getLogger(__name__)
-
-_HEADER_PROBE = 4096  # bytes read to find a record's header (headers are a few hundred bytes)
 
 
 class TamperedStoreError(RuntimeError):
@@ -48,12 +47,13 @@ class RoundBoard:
         self.site, self.incarnation, self.shard, self.shards = site, incarnation, shard, shards
         self.job_id = ""
         self._warned: set[str] = set()
+        self._shares: dict[str, tuple[Contribution, list[dict]]] = {}  # by record name
 
     # ----------------------------------------------------------------------------------------------- the job
 
     def read_job(self) -> dict | None:
         data = self.store.get(self.names.job())
-        return None if data is None else self._header(data, {"kind": "job"}, self.names.job(), whole=True)
+        return None if data is None else self._header(data, {"kind": "job"}, self.names.job())
 
     def create_job(self, record: dict) -> dict:
         """Write the job record unless a site already did; the job's record either way."""
@@ -65,10 +65,17 @@ class RoundBoard:
 
     # ----------------------------------------------------------------------------------------------- contributions
 
-    def put_share(self, fragment: int, base: int, payload: bytes | memoryview, numel: int, codec: str) -> str:
-        """Write this rank's encoded share of a contribution; the SHA-256 of the object written."""
+    def put_share(self, fragment: int, base: int, payload: bytes | memoryview, segments: list, codec: str) -> str:
+        """Write this rank's encoded share of a contribution (`segments`: the values it holds, `segments.py`); the
+        SHA-256 of the object written."""
         key = self.names.shard(fragment, base, self.site, self.incarnation, self.shard)
-        header = {**self._of(fragment, base), "kind": "shard", "shard": self.shard, "numel": numel, "codec": codec}
+        header = {
+            **self._of(fragment, base),
+            "kind": "shard",
+            "shard": self.shard,
+            "segments": segments,
+            "codec": codec,
+        }
         sealed = seal(self.keys, header, payload)
         if not self.store.put(key, sealed, create_only=True):
             raise RuntimeError(f"{key} exists already: another process of site {self.site!r} (incarnation "
@@ -76,11 +83,14 @@ class RoundBoard:
         return sha256(sealed)
 
     def put_record(
-        self, fragment: int, base: int, tokens: float, shares: list[str], final: bool = False, norm: float = 0.0
+        self, fragment: int, base: int, tokens: float, shares: list[dict], final: bool, norm: float
     ) -> None:
-        contribution = Contribution(self.site, self.incarnation, base, tokens, tuple(shares), final, norm)
+        """The site's record of a contribution: its tokens and norm, and every share's hash and segments."""
+        contribution = Contribution(self.site, self.incarnation, base, tokens, "", final, norm)
         header = {**self._of(fragment, base), "kind": "record", "contribution": contribution.as_dict()}
-        self.store.put(self.names.record(fragment, base, self.site, self.incarnation), seal(self.keys, header), True)
+        payload = json.dumps({"shares": shares}, separators=(",", ":")).encode()
+        key = self.names.record(fragment, base, self.site, self.incarnation)
+        self.store.put(key, seal(self.keys, header, payload), create_only=True)
 
     def contributions(self, fragment: int, bases: range, final: bool) -> list[Contribution]:
         """The verified records of contributions to `fragment` trained from `bases` (`final`: tails, else regular
@@ -102,37 +112,55 @@ class RoundBoard:
         return found
 
     def _record(self, key: str, fragment: int, base: int, site: str, incarnation: str) -> Contribution | None:
+        if key in self._shares:  # records are written once: read each once
+            return self._shares[key][0]
         data = self.store.get(key)
         if data is None:
             return None
-        expect = {"kind": "record", "job": self.job_id, "fragment": fragment, "base": base, "site": site}
-        header = self._header(data, expect, key, whole=True)
-        if header is None:
+        expect = {"kind": "record", "job": self.job_id, "fragment": fragment, "base": base, "site": site,
+                  "incarnation": incarnation}  # fmt: skip
+        opened = self._open(data, expect, key)
+        if opened is None:
             return None
-        contribution = Contribution.from_dict(header["contribution"])
-        if (contribution.site, contribution.incarnation, contribution.base) != (site, incarnation, base) or len(
-            contribution.shards
-        ) != self.shards:
-            self._ignore(key, f"its record does not match its name or holds {len(contribution.shards)} shares, "
-                              f"not this job's {self.shards}")  # fmt: skip
-            return None
+        header, payload = opened
+        shares = json.loads(bytes(payload))["shares"]
+        contribution = Contribution.from_dict({**header["contribution"], "record": sha256(data)})
+        self._shares[key] = (contribution, shares)
         return contribution
 
-    def fetch_share(self, fragment: int, entry: Entry, payload_bytes: int) -> memoryview:
-        """This rank's share of a contribution a manifest applies: verified, and exactly the bytes it pinned."""
-        c = entry.contribution
-        key = self.names.shard(fragment, c.base, c.site, c.incarnation, self.shard)
+    def shares_of(self, fragment: int, contribution: Contribution) -> list[dict]:
+        """Every share (`sha256`, `segments`) of a contribution a round applies, from the record it pinned."""
+        c = contribution
+        key = self.names.record(fragment, c.base, c.site, c.incarnation)
+        known = self._shares.get(key)
+        if known is None or known[0].record != c.record:
+            self._shares.pop(key, None)
+            if (
+                self._record(key, fragment, c.base, c.site, c.incarnation) is None
+                or self._shares[key][0].record != c.record
+            ):
+                raise TamperedStoreError(self._tampered(key, fragment))
+        return self._shares[key][1]
+
+    def fetch_share(
+        self, fragment: int, contribution: Contribution, shard: int, share: dict, payload_bytes: int
+    ) -> memoryview:
+        """Share `shard` of a contribution a round applies: verified, and exactly the bytes its record pinned."""
+        c = contribution
+        key = self.names.shard(fragment, c.base, c.site, c.incarnation, shard)
         data = self.store.get(key)
-        if data is None or sha256(data) != c.shards[self.shard]:
-            what = "is missing" if data is None else "no longer holds the bytes the manifest pinned"
-            raise TamperedStoreError(
-                f"{key} {what}: round of fragment {fragment} applies it. Another site may have applied it already, "
-                f"so this site stops rather than apply anything else. Restore the store's objects, or remove this site "
-                "and start it again (it then joins from the latest snapshot)."
-            )
+        if data is None or sha256(data) != share["sha256"]:
+            raise TamperedStoreError(self._tampered(key, fragment))
         expect = {**self._of(fragment, c.base), "kind": "shard", "site": c.site, "incarnation": c.incarnation,
-                  "shard": self.shard}  # fmt: skip
+                  "shard": shard}  # fmt: skip
         return unseal(self.keys, data, expect, payload_bytes, key)[1]
+
+    def _tampered(self, key: str, fragment: int) -> str:
+        return (
+            f"{key} is missing or no longer holds the bytes a decided round of fragment {fragment} pinned. Another "
+            "site may have applied it already, so this site stops rather than apply anything else. Restore the "
+            "store's objects, or start this site again (it then joins from the latest snapshot)."
+        )
 
     # ----------------------------------------------------------------------------------------------- manifests
 
@@ -160,7 +188,7 @@ class RoundBoard:
         data = self.store.get(key)
         if data is None:
             return None
-        header = self._header(data, {**expect, "job": self.job_id}, key, whole=True)
+        header = self._header(data, {**expect, "job": self.job_id}, key)
         if header is not None and header.get("kind") not in ("manifest", "final"):
             self._ignore(key, f"it is a {header.get('kind')!r}, not a round's manifest")
             return None
@@ -168,13 +196,20 @@ class RoundBoard:
 
     # ----------------------------------------------------------------------------------------------- snapshots
 
-    def put_snapshot(self, fragment: int, round_: int, payload: bytes) -> None:
-        header = {"kind": "snapshot", "job": self.job_id, "fragment": fragment, "round": round_, "shard": self.shard}
-        self.store.put(self.names.snapshot(fragment, round_, self.shard), seal(self.keys, header, payload), True)
+    def put_snapshot(self, fragment: int, round_: int, payload: bytes, segments: list) -> dict:
+        """Write this rank's share of a snapshot; its description for the snapshot's marker."""
+        header = {"kind": "snapshot", "job": self.job_id, "fragment": fragment, "round": round_, "shard": self.shard,
+                  "segments": segments}  # fmt: skip
+        sealed = seal(self.keys, header, payload)
+        self.store.put(self.names.snapshot(fragment, round_, self.site, self.incarnation, self.shard), sealed, True)
+        return {"sha256": sha256(sealed), "segments": segments}
 
-    def mark_snapshot(self, fragment: int, round_: int) -> None:
+    def mark_snapshot(self, fragment: int, round_: int, shares: list[dict]) -> None:
+        """The snapshot of `round_` is this site's, every share written (listed with their hashes and segments):
+        the first site to mark a round's snapshot is the one every joiner reads."""
         header = {"kind": "snapshot_done", "job": self.job_id, "fragment": fragment, "round": round_}
-        self.store.put(self.names.snapshot_done(fragment, round_), seal(self.keys, header), create_only=True)
+        payload = json.dumps({"site": self.site, "incarnation": self.incarnation, "shares": shares}).encode()
+        self.store.put(self.names.snapshot_done(fragment, round_), seal(self.keys, header, payload), create_only=True)
 
     def snapshot_rounds(self, fragment: int) -> list[int]:
         """The rounds of `fragment` with a complete snapshot, oldest first."""
@@ -185,12 +220,22 @@ class RoundBoard:
                 rounds.append(parsed[1])
         return sorted(rounds)
 
-    def read_snapshot(self, fragment: int, round_: int) -> memoryview:
-        key = self.names.snapshot(fragment, round_, self.shard)
+    def snapshot_shares(self, fragment: int, round_: int) -> dict:
+        """The marker of round `round_`'s snapshot: its writer (`site`, `incarnation`) and `shares`."""
+        key = self.names.snapshot_done(fragment, round_)
         data = self.store.get(key)
-        if data is None:
-            raise TamperedStoreError(f"{key} is missing although its snapshot is marked complete")
-        expect = {"kind": "snapshot", "job": self.job_id, "fragment": fragment, "round": round_, "shard": self.shard}
+        expect = {"kind": "snapshot_done", "job": self.job_id, "fragment": fragment, "round": round_}
+        opened = None if data is None else self._open(data, expect, key)
+        if opened is None:
+            raise TamperedStoreError(self._tampered(key, fragment))
+        return json.loads(bytes(opened[1]))
+
+    def read_snapshot(self, fragment: int, round_: int, writer: dict, shard: int) -> memoryview:
+        key = self.names.snapshot(fragment, round_, writer["site"], writer["incarnation"], shard)
+        data = self.store.get(key)
+        if data is None or sha256(data) != writer["shares"][shard]["sha256"]:
+            raise TamperedStoreError(self._tampered(key, fragment))
+        expect = {"kind": "snapshot", "job": self.job_id, "fragment": fragment, "round": round_, "shard": shard}
         return unseal(self.keys, data, expect, None, key)[1]
 
     # ----------------------------------------------------------------------------------------------- liveness
@@ -209,7 +254,7 @@ class RoundBoard:
             if key != self.names.heartbeat(site):
                 continue
             data = self.store.get(key)
-            header = None if data is None else self._header(data, {"kind": "heartbeat", "job": self.job_id}, key, True)
+            header = None if data is None else self._header(data, {"kind": "heartbeat", "job": self.job_id}, key)
             if header is not None and time.time() - float(header["time"]) <= within_seconds:
                 live[site] = {int(k): int(v) for k, v in header["applied"].items()}
         return live
@@ -239,11 +284,13 @@ class RoundBoard:
         return {"job": self.job_id, "fragment": fragment, "base": base, "site": self.site,
                 "incarnation": self.incarnation}  # fmt: skip
 
-    def _header(self, data: bytes, expect: dict, key: str, whole: bool) -> dict | None:
+    def _header(self, data: bytes, expect: dict, key: str) -> dict | None:
+        opened = self._open(data, expect, key)
+        return None if opened is None else opened[0]
+
+    def _open(self, data: bytes, expect: dict, key: str) -> tuple[dict, memoryview] | None:
         try:
-            if whole:
-                return unseal(self.keys, data, expect, None, key)[0]
-            return open_header(self.keys, data[: header_bytes_needed(data[:_HEADER_PROBE])], expect, key)
+            return unseal(self.keys, data, expect, None, key)
         except (UntrustedObject, ValueError, KeyError) as error:
             self._ignore(key, str(error))
             return None

@@ -25,6 +25,7 @@ from ..rounds.fragment import Fragment
 from ..settings.settings_check import check_same_published
 from .board import RoundBoard, SettingsMismatchError
 from .objects import BoundedStore, check_create_if_absent
+from .segments import describe_difference, overlaps
 from .site import SiteGroup
 from .tensors import from_safetensors, to_safetensors
 
@@ -34,8 +35,9 @@ if TYPE_CHECKING:
 
 
 def check_job(config: DiLoCoConfig, board: RoundBoard, site: SiteGroup, bounded: BoundedStore, mine: dict) -> None:
-    """Refuse, naming each field, a site whose settings, model or shape (`mine`) differ from the job's; the first
-    site writes the job record. Sets the board's job id."""
+    """Refuse, naming each field or the first parameter that differs, a site whose settings or model (`mine`:
+    `settings`, `fingerprint`, `model`: the site's `segments.model_map`) differ from the job's; the first site writes
+    the job record. Sites may differ in shape (ranks, stages, sharding). Sets the board's job id."""
     if site.leader:
         check_create_if_absent(bounded, f"probes/{config.site}-{board.incarnation}")
     job = board.read_job()
@@ -45,17 +47,18 @@ def check_job(config: DiLoCoConfig, board: RoundBoard, site: SiteGroup, bounded:
     job = job or board.read_job()
     if job is None:
         raise OuterSyncError(f"the store {bounded.url} holds no job record after this site's leader wrote it")
-    check_same_published(mine, job, f"The store job at {bounded.url} runs",
+    shape = ("pipeline_stages", "data_parallel_per_worker")
+    theirs = {"settings": {k: v for k, v in job["settings"].items() if k not in shape}, "fingerprint": ""}
+    ours = {"settings": {k: v for k, v in mine["settings"].items() if k not in shape}, "fingerprint": ""}
+    check_same_published(ours, theirs, f"The store job at {bounded.url} runs",
                          "start this site with the job's config (the first site's YAML)",
                          theirs="the job", ours="this site")  # fmt: skip
-    for key, what in (("model", "model"), ("shards", "ranks per site"), ("sharding", "sharding")):
-        if job.get(key) != mine[key]:
-            raise SettingsMismatchError(
-                f"The store job at {bounded.url} trains another {what} than this site: the job's is "
-                f"{_short(job.get(key))}, this site's {_short(mine[key])}. Start this site with the job's model and "
-                "launch (pipeline_stages x data_parallel_per_worker ranks, FSDP or not), or use another store_url "
-                "for another job."
-            )
+    if job["model"] != mine["model"]:
+        raise SettingsMismatchError(
+            f"The store job at {bounded.url} trains another model than this site: "
+            f"{describe_difference(job['model'], mine['model'])}. Start this site with the job's model config (and "
+            "fragment settings), or use another store_url for another job."
+        )
     board.job_id = str(job["job_id"])
 
 
@@ -66,11 +69,13 @@ class Snapshots:
         config, board, site: the run's settings, the store job, the site's ranks.
         guard: the engine's divergence guard (its history of each fragment travels with the snapshot).
         thread: the store thread, on which snapshots are written in launch order.
+        segments: this rank's share of each fragment by parameter name and range (`segments.py`).
     """
 
     def __init__(self, config: DiLoCoConfig, board: RoundBoard, site: SiteGroup, guard: DivergenceGuard,
-                 thread: SerialWorker):  # fmt: skip
+                 thread: SerialWorker, segments: dict[int, list]):  # fmt: skip
         self.config, self.board, self.site, self.guard, self.thread = config, board, site, guard, thread
+        self.segments = segments
 
     def write_later(self, fragment: Fragment, round_: int) -> None:
         """Write θg and the outer state after `round_` from the store thread (copies: training goes on)."""
@@ -82,22 +87,27 @@ class Snapshots:
         index = fragment.index
         latest = self.board.snapshot_rounds(index) if self.site.leader else []
         start = self.site.share([latest[-1] if latest else -1])[0]
-        if start < 0:
-            self.board.put_snapshot(index, 0, snapshot_bytes(fragment, self.guard, 0))
-            self.site.barrier()
-            if self.site.leader:
-                self.board.mark_snapshot(index, 0)
+        if start < 0:  # a fresh job: every site offers its θg, the first marked is the job's
+            self._write(index, 0, snapshot_bytes(fragment, self.guard, 0), clean=False)
             self.site.barrier()
             start = 0
-        load_snapshot(fragment, self.guard, self.board.read_snapshot(index, start))
+        writer = self.board.snapshot_shares(index, start)
+        mine = self.segments[index]
+        parts = []
+        for shard, share in enumerate(writer["shares"]):
+            pairs = overlaps(mine, share["segments"])
+            if pairs:
+                parts.append((pairs, self.board.read_snapshot(index, start, writer, shard)))
+        load_snapshot(fragment, self.guard, parts)
         return start
 
-    def _write(self, index: int, round_: int, payload: bytes) -> None:
-        self.board.put_snapshot(index, round_, payload)
-        self.site.barrier()
+    def _write(self, index: int, round_: int, payload: bytes, clean: bool = True) -> None:
+        share = self.board.put_snapshot(index, round_, payload, self.segments[index])
+        shares = [json.loads(text) for text in self.site.gather_text(json.dumps(share))]
         if self.site.leader:
-            self.board.mark_snapshot(index, round_)
-            self._clean(index, round_)
+            self.board.mark_snapshot(index, round_, shares)
+            if clean:
+                self._clean(index, round_)
 
     def _clean(self, index: int, snapshot_round: int) -> None:
         snapshots = self.board.snapshot_rounds(index)
@@ -139,32 +149,27 @@ def snapshot_bytes(fragment: Fragment, guard: DivergenceGuard, round_: int) -> b
     return to_safetensors(tensors, metadata)
 
 
-def load_snapshot(fragment: Fragment, guard: DivergenceGuard, payload: memoryview) -> None:
-    """θg and the outer optimizer state of this rank's share, and the fragment's guard history, from a snapshot."""
-    numel = fragment.theta_g.numel()
-    tensors, metadata = from_safetensors(payload, {"theta_g": numel})
-    fragment.theta_g.copy_(tensors["theta_g"].reshape(fragment.theta_g.shape))
-    state = dict(json.loads(metadata.get("outer_state", "{}")))
-    if "momentum_buffer" in tensors and tensors["momentum_buffer"].numel() == numel:
-        state["momentum_buffer"] = tensors["momentum_buffer"].reshape(fragment.theta_g.shape).to(fragment.device)
-    fragment.outer_optimizer.state.pop(fragment.theta_g, None)
+def load_snapshot(fragment: Fragment, guard: DivergenceGuard, parts: list[tuple[list, memoryview]]) -> None:
+    """θg and the outer optimizer state of this rank's share, and the fragment's guard history, from the snapshot's
+    shares that overlap it (`parts`: the overlaps and the share's payload), whatever shape of site wrote them."""
+    theta = fragment.theta_g
+    momentum = torch.zeros_like(theta)
+    state: dict = {}
+    history: dict = {}
+    for pairs, payload in parts:
+        tensors, metadata = from_safetensors(payload)
+        for position, their_position, size in pairs:
+            theta[position : position + size] = tensors["theta_g"][their_position : their_position + size]
+            if "momentum_buffer" in tensors:
+                momentum[position : position + size] = tensors["momentum_buffer"][
+                    their_position : their_position + size
+                ]
+        state = dict(json.loads(metadata.get("outer_state", "{}")))
+        history = json.loads(metadata.get("guard", "{}"))
+        if "momentum_buffer" in tensors:
+            state["momentum_buffer"] = momentum
+    fragment.outer_optimizer.state.pop(theta, None)
     if state:
-        fragment.outer_optimizer.state[fragment.theta_g] = state
-    history = json.loads(metadata.get("guard", "{}"))
+        fragment.outer_optimizer.state[theta] = state
     guard.scales[fragment.index] = [float(scale) for scale in history.get("scales", [])]
     guard.skipped_in_a_row[fragment.index] = int(history.get("skipped_in_a_row", 0))
-
-
-def model_description(fragments: list[Fragment]) -> str:
-    """The pieces and share sizes this rank holds: what the same rank of every site must hold alike."""
-    return ";".join(
-        f"{fragment.index}:"
-        + ",".join(f"{piece.name}[{piece.start}:{piece.stop}]" for piece in fragment.pieces)
-        + f"={fragment.theta_g.numel()}"
-        for fragment in fragments
-    )
-
-
-def _short(value: object, limit: int = 160) -> str:
-    text = str(value)
-    return text if len(text) <= limit else text[:limit] + "..."

@@ -35,15 +35,16 @@ class Contribution:
         site: the site's name; `incarnation`: its process's (a restarted site's contributions are told apart).
         base: the round of the fragment it was trained from.
         tokens: the tokens it trained (inner steps x tokens per step).
-        shards: the SHA-256 of each rank's share, in shard order (a site of S stages x D ranks has S x D).
+        record: the SHA-256 of its record object, which lists every share (hash and segments): a round pins it.
         final: a tail of the job's end (`close()`), applied by the final round only.
+        norm: the norm of the whole pseudo-gradient (all the site's shares), for robust clipping.
     """
 
     site: str
     incarnation: str
     base: int
     tokens: float
-    shards: tuple[str, ...]
+    record: str
     final: bool = False
     norm: float = 0.0
 
@@ -54,14 +55,14 @@ class Contribution:
     def as_dict(self) -> dict:
         return {
             "site": self.site, "incarnation": self.incarnation, "base": self.base, "tokens": self.tokens,
-            "shards": list(self.shards), "final": self.final, "norm": self.norm,
+            "record": self.record, "final": self.final, "norm": self.norm,
         }  # fmt: skip
 
     @classmethod
     def from_dict(cls, entry: dict) -> Contribution:
         return cls(
             str(entry["site"]), str(entry["incarnation"]), int(entry["base"]), float(entry["tokens"]),
-            tuple(str(sha) for sha in entry["shards"]), bool(entry.get("final", False)), float(entry.get("norm", 0.0)),
+            str(entry.get("record", "")), bool(entry.get("final", False)), float(entry.get("norm", 0.0)),
         )  # fmt: skip
 
 

@@ -6,8 +6,8 @@
     f{F}/c/{BASE}/{SITE}/{INC}-TAG/record     the site's record of that contribution: its tokens, every share's hash
     f{F}/m/{ROUND}-TAG                        round ROUND's manifest: the contributions it applies, with weights;
                                               or the job's final round of F (the sites' tails, a plain average)
-    f{F}/s/{ROUND}/s{SHARD}-TAG               a snapshot of θg and the outer state after ROUND, one rank's share
-    f{F}/s/{ROUND}/done-TAG                   every share of that snapshot is written
+    f{F}/s/{ROUND}/{SITE}/{INC}/s{SHARD}-TAG  a snapshot of θg and the outer state after ROUND, one rank's share
+    f{F}/s/{ROUND}/done-TAG                   the snapshot of ROUND: whose shares, every one written
     sites/{SITE}-TAG                          a site's heartbeat: the rounds it applied, when
 
 TAG is `JobKeys.tag` of the name before it: the job's sites compute it, a stranger cannot (`sealing.py`).
@@ -68,8 +68,8 @@ class StoreNames:
     def snapshots(self, fragment: int) -> str:
         return f"f{fragment}/s/"
 
-    def snapshot(self, fragment: int, round_: int, shard: int) -> str:
-        return self._tagged(f"f{fragment}/s/{round_:08d}/s{shard:04d}")
+    def snapshot(self, fragment: int, round_: int, site: str, incarnation: str, shard: int) -> str:
+        return self._tagged(f"f{fragment}/s/{round_:08d}/{site}/{incarnation}/s{shard:04d}")
 
     def snapshot_done(self, fragment: int, round_: int) -> str:
         return self._tagged(f"f{fragment}/s/{round_:08d}/done")

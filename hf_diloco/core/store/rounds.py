@@ -28,6 +28,7 @@ docs/design.md, "Sites that cannot reach each other", has the rest: the objects,
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import secrets
 import time
@@ -36,16 +37,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 from ..exchange.pending import ExchangeResult, OuterSyncError, PendingExchange, SerialWorker
 from ..rounds.fragment import Fragment, InFlight
 from .board import RoundBoard
-from .joining import Snapshots, check_job, model_description, replay_after
+from .joining import Snapshots, check_job, replay_after
 from .manifest import Manifest
 from .names import check_site_name
 from .objects import BoundedStore, ObjectStore
-from .sealing import JobKeys, sha256
-from .settle import RoundSettler, Settled
+from .sealing import JobKeys
+from .segments import merge_maps, model_map, share_segments
+from .settle import RoundSettler, Settled, padded_numel
 from .site import SiteGroup
 
 if TYPE_CHECKING:
@@ -69,7 +72,7 @@ class StoreEngine(Protocol):
     guard: DivergenceGuard
     exchange: OuterExchange
     rounds: RoundKeeper
-    sharded_model: bool
+    model: nn.Module
     tokens_per_step: float
 
 
@@ -88,6 +91,14 @@ class StoreLog:
     """The rounds this site applied, for logs, metrics and the model card."""
 
     rounds: list[dict] = field(default_factory=list)
+
+    def bytes_per_round(self) -> int:
+        """The payload bytes this rank writes in one round of every fragment (its shares, encoded)."""
+        codec = self.engine.exchange.codec
+        return sum(
+            codec.encoded_nbytes(padded_numel(fragment.theta_g.numel(), codec.align))
+            for fragment in self.engine.fragments
+        )
 
     def summary(self) -> dict:
         sites = [entry["sites"] for entry in self.rounds if not entry["final"]]
@@ -127,12 +138,13 @@ class StoreRounds:
         self.flights: dict[int, StoreFlight] = {}
         self.launched_at = {fragment.index: 0 for fragment in engine.fragments}
         self._in_manifests: dict[int, dict[int, set]] = {fragment.index: {} for fragment in engine.fragments}
+        self.segments = {fragment.index: share_segments(fragment) for fragment in engine.fragments}
         self.settler = RoundSettler(
             config, self.board, self.site, self.bounded,
             lambda: (engine.exchange.codec, engine.exchange.coding_pool()), self._applied_idents,
-            lambda: dict(self.applied),
+            lambda: dict(self.applied), self.segments,
         )  # fmt: skip
-        self.snapshots = Snapshots(config, self.board, self.site, engine.guard, self.thread)
+        self.snapshots = Snapshots(config, self.board, self.site, engine.guard, self.thread, self.segments)
         self.log = StoreLog()
         stats = engine.stats
         stats.store_rounds = stats.store_late_contributions = stats.store_bytes_up = stats.store_bytes_down = 0
@@ -150,11 +162,10 @@ class StoreRounds:
         """Read (or, for a fresh job, write) the job record, load each fragment's latest snapshot, replay the rounds
         after it, and continue at the job's step."""
         engine = self.engine
-        shares = self.site.gather_hashes(sha256(model_description(engine.fragments).encode()))
-        mine = {
-            "settings": self.config.shared_settings(), "fingerprint": self.config.fingerprint(), "model": shares,
-            "shards": self.site.size, "sharding": "fsdp" if engine.sharded_model else "replicated",
-        }  # fmt: skip
+        shapes = {name: list(param.shape) for name, param in engine.model.named_parameters() if param.requires_grad}
+        ranks = self.site.gather_text(json.dumps(model_map(engine.fragments, shapes)))
+        model = merge_maps([json.loads(text) for text in ranks])
+        mine = {"settings": self.config.shared_settings(), "fingerprint": self.config.fingerprint(), "model": model}
         check_job(self.config, self.board, self.site, self.bounded, mine)
         for fragment in engine.fragments:
             start = self.snapshots.load_latest(fragment)
@@ -224,6 +235,14 @@ class StoreRounds:
         self.thread.shutdown()
         self.site.close()
 
+    def bytes_per_round(self) -> int:
+        """The payload bytes this rank writes in one round of every fragment (its shares, encoded)."""
+        codec = self.engine.exchange.codec
+        return sum(
+            codec.encoded_nbytes(padded_numel(fragment.theta_g.numel(), codec.align))
+            for fragment in self.engine.fragments
+        )
+
     def summary(self) -> dict:
         return {**self.log.summary(), "ignored_objects": self.board.ignored, "store": self.bounded.url}
 
@@ -249,7 +268,7 @@ class StoreRounds:
 
     def _replay(self, fragment: Fragment, round_: int) -> None:
         """A round decided before this site joined: applied to θg as every site applied it."""
-        manifest, average = self.settler.read_round(fragment.index, round_, fragment.theta_g.numel(), {})
+        manifest, average = self.settler.read_round(fragment.index, round_)
         self._apply_round(fragment, manifest, average, torch.zeros(0), 0)
 
     def _apply_round(self, fragment: Fragment, manifest: Manifest, average: torch.Tensor | None,

@@ -24,7 +24,7 @@ import json
 import struct
 
 MAGIC = b"HFDLSEAL1"
-MAX_HEADER = 1 << 16
+MAX_HEADER = 1 << 22
 _PREFIX = len(MAGIC) + 4
 _MAC = 32
 KEY_CONTEXT = b"hf_diloco store v1"

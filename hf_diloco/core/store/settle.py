@@ -10,6 +10,7 @@ the same bytes give the same bits on every site.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import torch
 from ..exchange.pending import OuterSyncError
 from .board import RoundBoard
 from .manifest import ClosingRule, Manifest, weigh
+from .segments import overlaps
 from .site import SiteGroup
 
 if TYPE_CHECKING:
@@ -50,7 +52,8 @@ class RoundSettler:
         board, site, bounded: the store job as this rank reads and writes it, its site's ranks, the store's counters.
         codec: encodes and decodes shares (the exchange's), with `pool`'s threads.
         applied: per fragment, the contributions of the rounds applied last (a later round must not apply them
-            again) and the rounds applied, for the heartbeat.
+            again); `positions`: the rounds applied, for the heartbeat; `segments`: this rank's share of each
+            fragment by parameter name and range.
     """
 
     def __init__(
@@ -62,11 +65,13 @@ class RoundSettler:
         codec: Callable[[], tuple[Codec, object]],
         applied: Callable[[int], set],
         positions: Callable[[], dict[int, int]],
+        segments: dict[int, list],
     ):
         self.config, self.board, self.site, self.bounded = config, board, site, bounded
         self.codec = codec
         self.applied = applied
         self.positions = positions
+        self.segments = segments
         self.rule = ClosingRule(config.quorum, config.grace_seconds, config.round_deadline_seconds,
                                 config.adaptive_grace)  # fmt: skip
 
@@ -80,7 +85,9 @@ class RoundSettler:
         if self.config.error_feedback:
             residual = torch.sub(padded, codec.decode(payload, padded.numel(), pool=pool))[: sent.numel()].clone()
         own = bytes(payload.numpy())
-        shares = self.site.gather_hashes(self.board.put_share(index, base, own, padded.numel(), codec.name))
+        sha = self.board.put_share(index, base, own, self.segments[index], codec.name)
+        share = json.dumps({"sha256": sha, "segments": self.segments[index]})
+        shares = [json.loads(text) for text in self.site.gather_text(share)]
         norm = math.sqrt(self.site.total(float(sent.double().pow(2).sum())))
         started = time.monotonic()
         if self.site.leader:
@@ -88,8 +95,8 @@ class RoundSettler:
             self.board.beat(self.positions())
         last = self.site.share([self.settle(index, base, final) if self.site.leader else 0])[0]
         waited = time.monotonic() - started
-        own_ident = (self.config.site, self.board.incarnation, base)
-        rounds = [self.read_round(index, r, sent.numel(), {own_ident: own}) for r in range(base + 1, last + 1)]
+        own_share = {(self.config.site, self.board.incarnation, base, self.site.index): own}
+        rounds = [self.read_round(index, r, own_share) for r in range(base + 1, last + 1)]
         return Settled(rounds, residual, self.bounded.bytes_up - up, self.bounded.bytes_down - down, waited)
 
     def settle(self, index: int, base: int, final: bool) -> int:
@@ -139,26 +146,44 @@ class RoundSettler:
                     break
         return last
 
-    def read_round(self, index: int, round_: int, numel: int, own: dict) -> tuple[Manifest, torch.Tensor | None]:
-        """Round `round_`'s manifest and this rank's share (`numel` values) of its weighted average (None: nothing
-        to average); `own` maps this site's contribution to its payload, which need not be read back."""
+    def read_round(self, index: int, round_: int, own: dict | None = None) -> tuple[Manifest, torch.Tensor | None]:
+        """Round `round_`'s manifest and this rank's share of its weighted average (None: nothing to average); `own`
+        maps this rank's own share of a contribution (site, incarnation, base, shard) to its payload, not read back.
+
+        Each contribution's values of this rank's segments come from whichever of its shares hold them (a site of
+        another shape cuts the fragment otherwise, `segments.py`)."""
         manifest = self.board.manifest(index, round_)
         if manifest is None:
             raise OuterSyncError(f"round {round_} of fragment {index} was decided but its manifest cannot be read")
         if not manifest.entries:
             return manifest, None
         codec, pool = self.codec()
-        padded = padded_numel(numel, codec.align)
-        nbytes = codec.encoded_nbytes(padded)
-        total = torch.zeros(padded, dtype=torch.float32)
-        part = torch.empty(padded, dtype=torch.float32)
+        mine = self.segments[index]
+        numel = sum(length for _, _, length in mine)
+        total = torch.zeros(numel, dtype=torch.float32)
+        part = torch.empty(numel, dtype=torch.float32)
         for entry in manifest.entries:  # in the manifest's order: every site sums the same way, bit for bit
-            payload = own.get(entry.contribution.ident)
-            if payload is None:
-                payload = self.board.fetch_share(index, entry, nbytes)
-            codec.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8), padded, out=part, pool=pool)
+            c = entry.contribution
+            held = 0
+            for shard, share in enumerate(self.board.shares_of(index, c)):
+                pairs = overlaps(mine, share["segments"])
+                if not pairs:
+                    continue
+                length = padded_numel(sum(size for _, _, size in share["segments"]), codec.align)
+                payload = (own or {}).get((*c.ident, shard))
+                if payload is None:
+                    payload = self.board.fetch_share(index, c, shard, share, codec.encoded_nbytes(length))
+                decoded = codec.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8), length, pool=pool)
+                for position, their_position, size in pairs:
+                    part[position : position + size] = decoded[their_position : their_position + size]
+                    held += size
+            if held != numel:
+                raise OuterSyncError(
+                    f"round {round_} of fragment {index}: site {c.site}'s contribution holds {held} of this rank's "
+                    f"{numel} values (its model is cut otherwise; the job record should have refused it)"
+                )
             total.add_(part.mul_(entry.weight))
-        return manifest, total[:numel]
+        return manifest, total
 
 
 def padded_numel(numel: int, align: int) -> int:

@@ -16,8 +16,6 @@ import torch.distributed as dist
 
 from ..layout.topology import Topology
 
-_HASH_BYTES = 64  # a SHA-256 in hex
-
 
 class SiteGroup:
     """This rank among its site's ranks: `index` (its shard of the site's outer state), `size`, `leader`."""
@@ -32,14 +30,19 @@ class SiteGroup:
             ranks = layout.worker_ranks(topology.worker_index)
             self.group = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_seconds))
 
-    def gather_hashes(self, mine: str) -> list[str]:
-        """Every rank's hex SHA-256, in shard order (on every rank)."""
+    def gather_text(self, mine: str) -> list[str]:
+        """Every rank's `mine`, in shard order (on every rank)."""
         if self.group is None:
             return [mine]
-        row = torch.tensor(list(mine.encode()), dtype=torch.uint8)
-        parts = [torch.empty(_HASH_BYTES, dtype=torch.uint8) for _ in range(self.size)]
-        dist.all_gather(parts, row, group=self.group)
-        return [bytes(part.tolist()).decode() for part in parts]
+        data = mine.encode()
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self.group)
+        longest = max(int(size) for size in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return [bytes(part[: int(size)].tolist()).decode() for part, size in zip(parts, sizes)]
 
     def total(self, value: float) -> float:
         """The sum over the site's ranks of `value` (in rank order, float64: the same on every rank)."""

@@ -91,6 +91,7 @@ class EngineLifecycle:
                 announce=self.is_world_process_zero(),
                 num_blocks=self.diloco_num_blocks,
                 extra_fingerprint=self._settings_fingerprint(resume_from_checkpoint),
+                tokens_per_step=self._sequences_per_step(),
             )
         run.model_is_global = False
         run.final_metrics = {}
@@ -99,6 +100,14 @@ class EngineLifecycle:
         self._start_at_the_jobs_step()
         self._logged_at()
         return model, train_dataloader
+
+    def _sequences_per_step(self) -> float:
+        """The sequences one inner step of this site trains (every data-parallel rank's batches): the weight of its
+        contributions through a store, next to sites of other batch sizes."""
+        args = self.args
+        return float(
+            args.per_device_train_batch_size * args.gradient_accumulation_steps * args.data_parallel_per_worker
+        )
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         if self.diloco_run.session is not None:
@@ -127,3 +136,5 @@ class EngineStepCallback(TrainerCallback):
         if session is not None:
             session.step_end(skipped=self._trainer.accelerator.optimizer_step_was_skipped)
             self._trainer._follow_the_round(state)
+            if session.engine.job_finished:  # through a store, the job's final round came: every site stops here
+                control.should_training_stop = True

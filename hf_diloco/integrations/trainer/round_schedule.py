@@ -87,14 +87,14 @@ class RoundSchedule:
         """After this worker's inner step (the Trainer adds 1 to `global_step` and steps the scheduler once next):
         move both on to the engine's global step (under `balanced`, or after a heal under elastic membership)."""
         engine = self.diloco
-        if engine is not None and (engine.round_policy.balanced or engine.elastic is not None):
+        if engine is not None and (engine.round_policy.balanced or _joins(engine)):
             self._move_on(state, engine.global_step - state.global_step - 1)
 
     def _start_at_the_jobs_step(self) -> None:
         """Once the engine has started (and, elastic, joined the job): a worker that healed when it joined starts
         at the job's step, not at its own."""
         engine = self.diloco
-        if engine is not None and engine.elastic is not None and not engine.round_policy.balanced:
+        if engine is not None and _joins(engine) and not engine.round_policy.balanced:
             self._move_on(self.state, engine.global_step - self.state.global_step)
 
     def _move_on(self, state, extra: int) -> None:
@@ -167,3 +167,8 @@ class RoundSchedule:
         with open(path) as handle:
             steps = json.load(handle)["inner_steps_per_worker"]
         return int(steps[self._get_topology().worker_index])
+
+
+def _joins(engine) -> bool:
+    """Whether the engine can join a job at its step (elastic membership, or through a store)."""
+    return engine.elastic is not None or engine.store is not None

@@ -1,0 +1,223 @@
+"""The store exchange's parts on a real folder store: sealed objects and what a reader refuses, the safetensors
+snapshots, a round's weights, the closing rule, one decision per round whoever races, and every store call bounded.
+The sites themselves, as processes against a real S3 server, are in tests/test_store_sites.py."""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from hf_diloco.backends.object_store import ObstoreStore, open_store
+from hf_diloco.core.store.board import RoundBoard
+from hf_diloco.core.store.manifest import ClosingRule, Contribution, Manifest, weigh
+from hf_diloco.core.store.names import StoreNames, check_site_name
+from hf_diloco.core.store.objects import BoundedStore, StoreUnreachableError, check_create_if_absent
+from hf_diloco.core.store.sealing import MAGIC, JobKeys, UntrustedObject, open_header, seal, unseal
+from hf_diloco.core.store.tensors import from_safetensors, to_safetensors
+
+KEYS = JobKeys(b"the job's secret")
+
+
+def test_a_sealed_object_opens_only_as_what_it_is_with_the_job_s_secret():
+    payload = bytes(range(200))
+    sealed = seal(KEYS, {"kind": "shard", "job": "j1", "fragment": 0, "base": 3, "site": "a"}, payload)
+    header, body = unseal(KEYS, sealed, {"kind": "shard", "job": "j1", "base": 3}, len(payload), "obj")
+    assert bytes(body) == payload and header["site"] == "a"
+    cases = {
+        "forged": (JobKeys(b"another secret"), sealed, {}, "not signed with this job's secret"),
+        "truncated": (KEYS, sealed[:-5], {}, "holds 195 payload bytes where its header states 200"),
+        "cut in its header": (KEYS, sealed[:20], {}, "truncated"),
+        "replayed from another round": (KEYS, sealed, {"base": 4}, "a replay from another round"),
+        "of another job": (KEYS, sealed, {"job": "j2"}, "job 'j1' where this one is 'j2'"),
+        "altered": (KEYS, sealed[:-1] + bytes([sealed[-1] ^ 1]), {}, "does not match its signed hash"),
+        "not an object": (KEYS, b"GARBAGE" * 10, {}, "not a store object of hf_diloco"),
+    }
+    for name, (keys, data, expect, message) in cases.items():
+        with pytest.raises(UntrustedObject, match=message):
+            unseal(keys, data, expect, None, f"object {name}")
+
+
+def test_a_header_that_claims_a_huge_payload_is_refused_before_anything_is_allocated():
+    """A signed header stating 10^12 payload bytes (a share of 10^12 values would be that much) is refused by its
+    length alone: the reader expects exactly its share's encoded size."""
+    head = {"kind": "shard", "job": "j", "numel": 10**12, "payload_bytes": 10**12, "payload_sha256": "0" * 64}
+    text = json.dumps(head).encode()
+    prefix = MAGIC + struct.pack("<I", len(text)) + text
+    forged_length = prefix + KEYS.mac(prefix)  # signed by a member, but lying about its size
+    with pytest.raises(UntrustedObject, match="states a payload of 1000000000000 bytes where 4096 are expected"):
+        unseal(KEYS, forged_length, {"kind": "shard"}, 4096, "huge")
+    huge_header = MAGIC + struct.pack("<I", 1 << 30) + b"{}"
+    with pytest.raises(UntrustedObject, match="no header, or a header over"):
+        open_header(KEYS, huge_header, {}, "huge header")
+
+
+def test_no_secret_is_refused_unless_the_insecure_mode_is_named():
+    with pytest.raises(ValueError, match="exchange 'store' needs the job's secret.*insecure_no_secret: true"):
+        JobKeys(None)
+    insecure = JobKeys(None, insecure=True)
+    assert not insecure.authenticated and KEYS.authenticated
+
+
+def test_snapshots_are_safetensors_files_read_with_bounds():
+    from safetensors.torch import load
+
+    tensors = {"theta_g": torch.randn(7, 3), "momentum_buffer": torch.randn(21), "count": torch.arange(5)}
+    data = to_safetensors(tensors, {"round": "4"})
+    loaded = load(data)  # the library opens what the core wrote without it
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+    read, metadata = from_safetensors(data, {"theta_g": 21})
+    assert torch.equal(read["theta_g"], tensors["theta_g"]) and metadata == {"round": "4"}
+    with pytest.raises(ValueError, match="missing or has another size"):
+        from_safetensors(data, {"theta_g": 22})
+    with pytest.raises(ValueError, match="byte range"):
+        from_safetensors(data[:-4])
+    with pytest.raises(ValueError, match="a header of"):
+        from_safetensors(struct.pack("<Q", 10**12) + b"{}")
+
+
+def _contribution(site: str, base: int, tokens: float = 100.0, norm: float = 1.0) -> Contribution:
+    return Contribution(site, "0" * 12, base, tokens, "0" * 64, norm=norm)
+
+
+def test_a_round_weighs_contributions_by_tokens_over_one_plus_staleness():
+    """Round 5: a fresh contribution (base 4) of 300 tokens, one a round late (base 3) of 200, one three rounds late
+    (beyond max_staleness 2: left out). Weights 300 : 200 / 2, in site order."""
+    entries = weigh([_contribution("b", 3, 200), _contribution("a", 4, 300), _contribution("c", 1, 900)], 5, 2)
+    assert [(e.contribution.site, e.staleness) for e in entries] == [("a", 0), ("b", 1)]
+    assert [e.weight for e in entries] == pytest.approx([300 / 400, 100 / 400])
+    assert sum(e.weight for e in entries) == pytest.approx(1.0)
+
+
+def test_robust_clipping_scales_a_far_larger_contribution_down_to_the_factor_times_the_lower_median():
+    entries = weigh([_contribution("a", 0, norm=1.0), _contribution("b", 0, norm=30.0)], 1, 2, clip_factor=3.0)
+    assert [e.clip for e in entries] == pytest.approx([1.0, 3.0 / 30.0])
+    assert [e.weight for e in entries] == pytest.approx([0.5, 0.5 * 0.1])
+    alone = weigh([_contribution("b", 0, norm=30.0)], 1, 2, clip_factor=3.0)
+    assert alone[0].clip == 1.0  # nothing to compare one contribution with
+
+
+def test_a_round_closes_after_its_quorum_and_grace_or_at_its_deadline():
+    rule = ClosingRule(quorum=2, grace_seconds=5.0, deadline_seconds=60.0)
+    assert not rule.due(sites_in=1, quorum_seconds=None, waited_seconds=10.0)
+    assert not rule.due(sites_in=2, quorum_seconds=4.9, waited_seconds=10.0)
+    assert rule.due(sites_in=2, quorum_seconds=5.0, waited_seconds=10.0)
+    assert rule.due(sites_in=1, quorum_seconds=None, waited_seconds=60.0)
+    assert not rule.due(sites_in=0, quorum_seconds=None, waited_seconds=600.0)
+    adaptive = ClosingRule(quorum=2, grace_seconds=5.0, deadline_seconds=60.0, adaptive=True)
+    for lateness in (0.4, 0.6, 0.5, 0.7):
+        adaptive.observe(lateness)
+    assert 0.5 <= adaptive.grace() < 1.5  # 1.5 x the 90th percentile of how late the others came
+    adaptive.observe(30.0)
+    assert adaptive.grace() == 5.0  # never above grace_seconds
+
+
+def test_site_names_are_checked_and_names_of_objects_carry_a_tag_only_the_job_computes(tmp_path):
+    check_site_name("site-a.eu_1")
+    with pytest.raises(ValueError, match="cannot name a site"):
+        check_site_name("../etc")
+    names = StoreNames(KEYS)
+    record = names.record(0, 3, "a", "0" * 12)
+    assert names.parse_record(record) == (0, 3, "a", "0" * 12)
+    stranger = StoreNames(JobKeys(b"guessed")).record(0, 3, "a", "0" * 12)
+    assert names.parse_record(stranger) is None
+    assert names.manifest(0, 7) != StoreNames(JobKeys(b"guessed")).manifest(0, 7)
+
+
+def _board(store, site: str, job: str = "j1") -> RoundBoard:
+    board = RoundBoard(BoundedStore(store, 5.0), KEYS, site, "0" * 12, 0, 1)
+    board.job_id = job
+    return board
+
+
+def test_two_sites_racing_to_close_a_round_leave_exactly_one_manifest_and_both_apply_it(tmp_path):
+    store = open_store(f"file://{tmp_path}/job")
+    check_create_if_absent(store, "probe")
+    boards = [_board(store, "a"), _board(store, "b")]
+    for round_ in range(1, 21):
+        proposals = [Manifest(0, round_, board.site, weigh([_contribution(board.site, round_ - 1)], round_, 2))
+                     for board in boards]  # fmt: skip
+        decided: dict[str, Manifest] = {}
+        start = threading.Barrier(2)
+
+        def close(board: RoundBoard, proposal: Manifest) -> None:
+            start.wait()
+            decided[board.site] = board.decide(proposal)
+
+        threads = [threading.Thread(target=close, args=pair) for pair in zip(boards, proposals)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert decided["a"] == decided["b"], round_
+        assert decided["a"].closed_by in ("a", "b")
+        assert [key for key in store.list("f0/m/") if f"/{round_:08d}-" in key] == [StoreNames(KEYS).manifest(0, round_)]
+
+
+def test_an_object_a_stranger_puts_in_the_store_is_ignored_and_named(tmp_path, caplog):
+    store = open_store(f"file://{tmp_path}/job")
+    board = _board(store, "a")
+    share = board.put_share(0, 0, b"\0" * 8, [["w", 0, 2]], "none")
+    board.put_record(0, 0, 10.0, [{"sha256": share, "segments": [["w", 0, 2]]}], final=False, norm=1.0)
+    names = StoreNames(KEYS)
+    stranger = StoreNames(JobKeys(b"guessed")).record(0, 0, "evil", "1" * 12)
+    store.put(stranger, seal(JobKeys(b"guessed"), {"kind": "record"}))
+    forged_name = names.record(0, 0, "evil2", "2" * 12)  # a name a member gave away, but no seal of the job's
+    store.put(forged_name, b"HFDLSEAL1 anything")
+    replayed = names.record(0, 0, "c", "3" * 12)  # the job's seal, copied from another job's record
+    other = _board(store, "c", job="another job")
+    store.put(replayed, seal(KEYS, {**other._of(0, 0), "kind": "record", "contribution": _contribution("c", 0).as_dict()}))
+    with caplog.at_level("WARNING"):
+        found = board.contributions(0, range(0, 1), final=False)
+    assert [c.site for c in found] == ["a"]
+    assert sorted(board.ignored) == sorted([stranger, forged_name, replayed])
+    for key in (stranger, forged_name, replayed):
+        assert f"ignored the store object {key}" in caplog.text
+
+
+class FlakyStore:
+    """A real folder store that fails every call while `down` (a store that does not answer)."""
+
+    def __init__(self, store: ObstoreStore):
+        self.store, self.url, self.down = store, store.url, False
+
+    def __getattr__(self, name):
+        call = getattr(self.store, name)
+
+        def flaky(*args, **kwargs):
+            if self.down:
+                raise ConnectionError("connection refused")
+            return call(*args, **kwargs)
+
+        return flaky
+
+
+def test_a_store_down_longer_than_the_bound_stops_the_call_naming_the_store_and_back_within_it_goes_on(tmp_path):
+    flaky = FlakyStore(open_store(f"file://{tmp_path}/job"))
+    bounded = BoundedStore(flaky, timeout_seconds=1.0)
+    flaky.down = True
+    started = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=f"The store file://{tmp_path}/job did not answer for 1 s"):
+        bounded.put("a", b"x")
+    assert time.monotonic() - started < 3.0
+    bounded = BoundedStore(flaky, timeout_seconds=10.0)
+    threading.Timer(0.8, lambda: setattr(flaky, "down", False)).start()
+    assert bounded.put("a", b"x") and bounded.get("a") == b"x"
+
+
+def test_a_store_that_accepts_a_second_create_is_refused(tmp_path):
+    class Overwriting:
+        url = "s3://no-conditional-writes/job"
+
+        def put(self, key, data, create_only=False):
+            return True
+
+        def delete(self, keys):
+            pass
+
+    with pytest.raises(ValueError, match="does not refuse a second write of one name"):
+        check_create_if_absent(Overwriting(), "probe")
