@@ -155,7 +155,9 @@ def test_two_sites_racing_to_close_a_round_leave_exactly_one_manifest_and_both_a
             thread.join()
         assert decided["a"] == decided["b"], round_
         assert decided["a"].closed_by in ("a", "b")
-        assert [key for key in store.list("f0/m/") if f"/{round_:08d}-" in key] == [StoreNames(KEYS).manifest(0, round_)]
+        assert [key for key in store.list("f0/m/") if f"/{round_:08d}-" in key] == [
+            StoreNames(KEYS).manifest(0, round_)
+        ]
 
 
 def test_an_object_a_stranger_puts_in_the_store_is_ignored_and_named(tmp_path, caplog):
@@ -170,7 +172,9 @@ def test_an_object_a_stranger_puts_in_the_store_is_ignored_and_named(tmp_path, c
     store.put(forged_name, b"HFDLSEAL1 anything")
     replayed = names.record(0, 0, "c", "3" * 12)  # the job's seal, copied from another job's record
     other = _board(store, "c", job="another job")
-    store.put(replayed, seal(KEYS, {**other._of(0, 0), "kind": "record", "contribution": _contribution("c", 0).as_dict()}))
+    store.put(
+        replayed, seal(KEYS, {**other._of(0, 0), "kind": "record", "contribution": _contribution("c", 0).as_dict()})
+    )
     with caplog.at_level("WARNING"):
         found = board.contributions(0, range(0, 1), final=False)
     assert [c.site for c in found] == ["a"]

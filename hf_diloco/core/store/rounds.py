@@ -276,15 +276,17 @@ class StoreRounds:
         engine, index = self.engine, fragment.index
         if manifest.round != self.applied[index] + 1:
             raise OuterSyncError(f"fragment {index}: round {manifest.round} follows round {self.applied[index]}")
+        record = None
         if average is not None:
             result = ExchangeResult(average, None, bytes_sent, 0, contributors=len(manifest.sites))
             flight = InFlight(PendingExchange.completed(result, "store round"), engine.inner_step, sent=sent)
             engine.rounds.workers = max(1, len(manifest.sites))
             record = (engine.rounds.apply_tail if manifest.final else engine.rounds.apply)(fragment, flight)
-            engine.rounds.publish(record)
         self.applied[index] = manifest.round
         self._remember(index, manifest)
         self._book(index, manifest)
+        if record is not None:  # observers see the round applied and counted
+            engine.rounds.publish(record)
         if manifest.final:
             self.finished_fragments.add(index)
         elif manifest.closed_by == self.config.site and manifest.round % self.config.snapshot_every == 0:
