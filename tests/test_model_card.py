@@ -282,6 +282,25 @@ def test_the_card_keeps_every_metric_of_all_results_json(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_fragments": 1, "sync_delay": 0},  # streaming with tau = 0: every exchange blocks
+        {},  # P = 2, tau = 1: streaming
+        {"num_fragments": 1, "sync_delay": 0, "overlap": "eager", "eager_estimate": "fitted"},
+    ],
+)
+def test_card_and_start_up_line_name_the_same_overlap(tmp_path, caplog, overrides):
+    trainer = _trainer(tmp_path, eval_strategy="no", **overrides)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("DiLoCo run:")]
+    said = re.search(r"overlap=(.*?), compression=", line).group(1)
+    trainer.save_model()
+    assert _table_value((tmp_path / "out" / "README.md").read_text(), "Overlap mode") == said
+
+
+@pytest.mark.timeout(120)
 def test_trainer_create_model_card_honours_every_argument(tmp_path):
     trainer = _trainer(tmp_path, eval_strategy="no", hub_model_id="someone/named-by-hub-id")
     trainer.train()

@@ -18,6 +18,8 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..integrations.settings import overlap_label
+
 TEMPLATE_NAME = "diloco_model_card.md"
 DILOCO_TAG = "diloco"
 FP32_BYTES = 4
@@ -173,7 +175,7 @@ def render_model_card(
         "fragment_pattern": settings.get("fragment_pattern", NOT_RECORDED),
         "sync_delay": settings["sync_delay"],
         "merge_alpha": _number(settings["merge_alpha"]),
-        "overlap": _overlap(settings),
+        "overlap": overlap_label(settings),
         "outer_optimizer": _outer_optimizer(settings),
         "compression": _compression(settings),
         "pipeline_stages": settings["pipeline_stages"],
@@ -370,12 +372,6 @@ def _algorithm_name(settings: Mapping[str, Any]) -> str:
     if int(settings["num_fragments"]) > 1 or int(settings["sync_delay"]) > 0:
         return "Streaming DiLoCo"
     return "DiLoCo"
-
-
-def _overlap(settings: Mapping[str, Any]) -> str:
-    if settings["overlap"] == "eager" and settings.get("eager_estimate", "own_share") != "own_share":
-        return f"eager ({settings['eager_estimate']} estimate of each round until its average arrives)"
-    return settings["overlap"]
 
 
 def _outer_optimizer(settings: Mapping[str, Any]) -> str:
