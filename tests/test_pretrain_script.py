@@ -389,6 +389,8 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
         "ddp_variable": (["--config", str(_small_config(tmp_path, "ddp"))], {"DILOCO_COMPRESSION": "fp4"},
                          r"DILOCO_COMPRESSION set in the environment, but this run has trainer: ddp"),
         "workers": (["--pipeline_stages", "2"], {}, r"world size 1 is not divisible by the worker size"),
+        "offline_push": (["--push_to_hub", "true"], {}, r"HF_HUB_OFFLINE is set: pushing the final model "
+                         r"\(push_to_hub\) to offline_push needs the network"),
         "tokenizer": (["--output_dir", str(existing), "--tokenizer.vocab_size", "600", "--max_steps", "12"], {},
                       r"This run's tokenizer in .*existing/tokenizer was trained with `tokenizer:` .*'vocab_size': "
                       r"512.*but the config now says .*'vocab_size': 600"),
