@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -89,11 +89,13 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
 
     Raises:
         `ValueError`: an unknown or misplaced key (in the file or given as a flag), naming the closest valid key; a
-            DiLoCo value that is not valid, naming where it was set (flag, variable or file).
-        `SystemExit`: `--help`, or a flag argparse does not know.
+            DiLoCo value that is not valid, naming where it was set (flag, variable or file); a flag argparse does not
+            know or a value it cannot read.
+        `SystemExit`: `--help`.
     """
     environ = os.environ if environ is None else environ
     first = argparse.ArgumentParser(add_help=False)
+    _refuse_instead_of_exiting(first)
     first.add_argument("--config", default=DEFAULT_CONFIG)
     first.add_argument("--trainer", choices=TRAINERS)
     known, _ = first.parse_known_args(argv)
@@ -109,6 +111,7 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
         refuse_auto_for(trainer, auto)
     argv, model_config = _split_model_config_flags(argv)
     parser = build_parser(config, trainer, environ)
+    _refuse_instead_of_exiting(parser)
     namespace = vars(parser.parse_args(argv))
     overrides = {key: namespace.pop(key) for key in list(namespace) if "." in key or key in ("trainer", "auto_resume")}
     overrides.update(model_config)
@@ -121,6 +124,16 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
         check_diloco_values(namespace, *diloco_defaults(config, trainer, environ))
     (arguments_class,) = parser.dataclass_types
     return PretrainCommandLine(config, arguments_class(**namespace), config.auto_resume, auto)
+
+
+def _refuse_instead_of_exiting(parser: argparse.ArgumentParser) -> None:
+    """A flag argparse cannot read becomes a `ValueError`, a refusal like any other bad input: said once, by the main
+    process (argparse's own error prints its usage on every process of a launch), exit status 2 all the same."""
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(f"{message}. `hf-diloco pretrain --help` lists the flags.")
+
+    parser.error = refuse
 
 
 def default_output_dir(config: str, environ: Mapping[str, str]) -> str:
