@@ -19,14 +19,16 @@ $(VENV)/.installed: pyproject.toml constraints.txt $(BIN)/activate
 
 setup: $(VENV)/.installed
 
-# One and two processes write separate folders, so either can be re-run after the other.
+# Folders of their own under outputs/make_run/, named as `hf-diloco pretrain` names its default ones: either target
+# can be re-run after the other, and the README's `hf-diloco pretrain` / `torchrun` commands after them train anew
+# (in outputs/CONFIG and outputs/CONFIG_2proc) instead of finding these runs finished.
 run: setup
 	$(BIN)/accelerate launch --cpu --num_processes 1 scripts/pretrain.py --config $(CONFIG) \
-		--output_dir outputs/$(notdir $(basename $(CONFIG)))
+		--output_dir outputs/make_run/$(notdir $(basename $(CONFIG)))
 
 run-multi: setup
 	$(BIN)/torchrun --nproc_per_node 2 scripts/pretrain.py --config $(CONFIG) --use_cpu \
-		--output_dir outputs/$(notdir $(basename $(CONFIG)))_2proc
+		--output_dir outputs/make_run/$(notdir $(basename $(CONFIG)))_2proc
 
 test: setup
 	$(BIN)/python -m pytest tests

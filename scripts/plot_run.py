@@ -1,4 +1,4 @@
-"""`hf-diloco plot` as a script: `python scripts/plot_run.py RUN [RUN ...] --out plots/`."""
+"""`hf-diloco plot` as a script: `python scripts/plot_run.py RUN [RUN ...]` (writes RUN/plots/; `--out` elsewhere)."""
 
 import sys
 

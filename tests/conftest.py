@@ -21,6 +21,7 @@ SLOW_MODULES = {
     "test_dropin",
     "test_engine_faults",
     "test_faults",
+    "test_launch",
     "test_peft",
     "test_pipeline_families",
     "test_pipeline_trainer",

@@ -4,6 +4,8 @@ the delayed and eager modes, an observer, a checkpoint)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -334,3 +336,25 @@ def test_the_outer_state_figure_is_current_after_every_step(case):
         assert reported == engine.stats["outer_state_bytes"], (t, figures)
     assert len(set(figures)) > 1  # the figure did move with the exchanges
     engine.close()
+
+
+def test_the_outer_state_rises_at_the_first_round_as_its_documentation_says():
+    """`diloco/outer_state_bytes` of plain DiLoCo steps up 4x between two logs: before the first round the engine
+    holds theta_g alone, and the first round allocates the outer momentum and the two buffers the rounds reuse. The
+    metric's documentation (the `EngineStats` docstring, and docs/design.md) says so with these figures."""
+    from hf_diloco.core.stats import EngineStats
+
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=4))
+    parameters = sum(p.numel() for p in model.parameters())
+    figures = []
+    for t in range(1, 10):
+        inner_step(model, optimizer, 0, t)
+        engine.step()
+        figures.append(engine.stats["outer_state_bytes"] / parameters)
+    engine.close()
+    assert figures == [4.0] * 3 + [16.0] * 6
+    said = "from 4 to 16 bytes per parameter at the first round"
+    assert said in " ".join(EngineStats.__doc__.split())
+    assert said in " ".join((Path(__file__).parents[1] / "docs" / "design.md").read_text().split())

@@ -127,9 +127,8 @@ def test_auto_resume_is_one_checked_boolean_in_the_file_and_on_the_command_line(
     path = _write(tmp_path, config_file.shipped_config_text("tiny_diloco") + "auto_resume: 'false'\n")
     assert parse_command_line(["--config", str(path), "--use_cpu"]).auto_resume is False  # a string "false" is false
     assert parse_command_line(["--config", str(path), "--use_cpu", "--auto_resume", "yes"]).auto_resume is True
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="auto_resume in --auto_resume must be true or false, got 'flase'"):
         parse_command_line(["--use_cpu", "--auto_resume", "flase"])
-    assert "auto_resume in --auto_resume must be true or false, got 'flase'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -159,10 +158,9 @@ def test_unknown_or_misplaced_keys_name_key_section_file_and_closest(tmp_path, t
         assert part in message, message
 
 
-def test_misspelt_flag_of_a_section_is_refused(tmp_path, capsys):
-    with pytest.raises(SystemExit):
+def test_misspelt_flag_of_a_section_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"unrecognized arguments: --data\.blocksize 3\. `hf-diloco pretrain --help`"):
         parse_command_line(["--use_cpu", "--data.blocksize", "3"])
-    assert "--data.blocksize" in capsys.readouterr().err
 
 
 def test_invalid_yaml_names_the_file_line_and_column(tmp_path):

@@ -7,6 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 import yaml
@@ -80,7 +81,10 @@ def loopback_only(monkeypatch):
 
 
 @pytest.fixture
-def fake_hub():
+def fake_hub(monkeypatch):
+    # The fake Hub is this machine's own server: its tests run online to it whatever HF_HUB_OFFLINE the suite was
+    # started with (huggingface_hub reads the variable once, at import), and `loopback_only` keeps them on this machine.
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     server.hub = {"endpoint": endpoint, "requests": [], "created": [], "commits": [], "validated": []}
@@ -210,6 +214,21 @@ def test_push_refuses_folder_without_card(tmp_path, fake_hub):
     folder = _model_folder(tmp_path)
     with pytest.raises(ValueError, match="README.md"):
         push_folder_to_hub(folder, "someone/x", token="t", endpoint=fake_hub["endpoint"])
+    assert fake_hub["requests"] == []
+
+
+def test_push_offline_is_refused_naming_the_variable_before_any_request(tmp_path, fake_hub, monkeypatch, capsys):
+    """HF_HUB_OFFLINE=1, the way people without a network run HF code: the push says so and changes nothing."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    folder = _model_folder(tmp_path)
+    expected = r"HF_HUB_OFFLINE is set: pushing .* to someone/x needs the network\. Unset HF_HUB_OFFLINE"
+    with pytest.raises(ValueError, match=expected):
+        push_folder_to_hub(folder, "someone/x", token="t", endpoint=fake_hub["endpoint"], model_card=_card_kwargs())
+    assert not (folder / "README.md").exists()
+    write_model_card(folder, **_card_kwargs())
+    assert push.main([str(folder), "someone/x", "--dry_run"]) == 0  # listing the files needs no network
+    with pytest.raises(ValueError, match=expected):
+        push.main([str(folder), "someone/x", "--token", "t", "--endpoint", fake_hub["endpoint"]])
     assert fake_hub["requests"] == []
 
 

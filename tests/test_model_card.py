@@ -1,5 +1,7 @@
 """Model card rendering: settings, data, measured communication vs DDP, front matter."""
 
+import json
+import math
 import re
 
 import pytest
@@ -257,6 +259,45 @@ def test_trainer_card_quotes_the_evaluation_of_the_saved_weights(tmp_path):
     assert "Tokens trained on: 96, all workers together" in card  # 6 steps x 2 rows x 8 tokens, one worker
     assert 'from_pretrained("' + str(tmp_path / "out") + '")' in card
     assert "- training_steps: 6" in card
+
+
+@pytest.mark.timeout(120)
+def test_the_card_keeps_every_metric_of_all_results_json(tmp_path):
+    """What a run_clm.py-style script saves: the training metrics, then the evaluation with `perplexity` added under
+    its own name. Every figure of all_results.json is in the card; the evaluation's (not its timings) in model-index."""
+    trainer = _trainer(tmp_path, eval_strategy="no")
+    train_metrics = trainer.train().metrics
+    trainer.save_model()
+    trainer.save_metrics("train", train_metrics)
+    metrics = trainer.evaluate()
+    metrics["perplexity"] = math.exp(metrics["eval_loss"])
+    trainer.save_metrics("eval", metrics)
+    results = json.loads((tmp_path / "out" / "all_results.json").read_text())
+    assert {"perplexity", "train_loss", "epoch", "eval_runtime"} <= set(results)
+    card = (tmp_path / "out" / "README.md").read_text()
+    for key, value in results.items():
+        assert float(_table_value(card, key).replace(",", "")) == pytest.approx(value, rel=1e-5), key
+    quoted = {m["name"]: m["value"] for m in _front_matter(card)["model-index"][0]["results"][0]["metrics"]}
+    assert quoted == {"eval_loss": metrics["eval_loss"], "perplexity": metrics["perplexity"]}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_fragments": 1, "sync_delay": 0},  # streaming with tau = 0: every exchange blocks
+        {},  # P = 2, tau = 1: streaming
+        {"num_fragments": 1, "sync_delay": 0, "overlap": "eager", "eager_estimate": "fitted"},
+    ],
+)
+def test_card_and_start_up_line_name_the_same_overlap(tmp_path, caplog, overrides):
+    trainer = _trainer(tmp_path, eval_strategy="no", **overrides)
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    [line] = [record.getMessage() for record in caplog.records if record.getMessage().startswith("DiLoCo run:")]
+    said = re.search(r"overlap=(.*?), compression=", line).group(1)
+    trainer.save_model()
+    assert _table_value((tmp_path / "out" / "README.md").read_text(), "Overlap mode") == said
 
 
 @pytest.mark.timeout(120)

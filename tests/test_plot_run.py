@@ -106,3 +106,22 @@ def test_final_model_evaluation_is_its_own_point_after_the_last_sync(tmp_path, p
     assert lines[-1][:2] == ([100 * 512], [3.25])
     assert plot_run.final_evaluation(run) == 3.25 and plot_run.final_evaluation(tmp_path / "nothing") is None
     assert plot_run.main([str(run), "--out", str(tmp_path / "plots")]) == 0
+
+
+def test_plots_go_into_the_runs_folder_not_the_current_directory(tmp_path, plot_run, monkeypatch, capsys):
+    """`hf-diloco plot RUN` from anywhere writes RUN/plots; given a checkpoint's trainer_state.json, the run's folder
+    above it; with several runs, the first one's."""
+    run, other, elsewhere = tmp_path / "outputs" / "run", tmp_path / "outputs" / "ddp", tmp_path / "elsewhere"
+    _write_state(run, _history(with_tokens=True))
+    checkpoint_state = _write_state(run / "checkpoint-100", _history(with_tokens=True))
+    _write_state(other, _history(with_tokens=True, with_diloco=False))
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    for arguments in ([str(run)], [str(checkpoint_state)], [str(run), str(other)]):
+        assert plot_run.main(arguments) == 0
+        assert {p.name for p in (run / "plots").iterdir()} == {"loss.png", "bytes_sent.png", "sync_wait.png"}
+        assert f"loss: {run / 'plots' / 'loss.png'}" in capsys.readouterr().out
+        for path in (run / "plots").iterdir():
+            path.unlink()
+    assert list(elsewhere.iterdir()) == [] and not (run / "checkpoint-100" / "plots").exists()
+    assert not (other / "plots").exists()

@@ -142,6 +142,39 @@ def test_a_step_the_scaler_skipped_still_steps_the_engine():
     plugin.close()
 
 
+def _loop_of_epochs(epochs: int, caplog) -> list[str]:
+    """A raw loop that decides its epochs itself (no `max_steps` to `prepare`): 4 inner steps per epoch, H = 2, outer
+    momentum 0.9 (it remembers about 10 rounds). Returns the warnings the plugin logged, start to `close()`."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    caplog.clear()
+    plugin = DiLoCoPlugin(inner_steps=2, outer_momentum=0.9, environ={})
+    model = build_model(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(random_token_rows(8), batch_size=2)
+    model, optimizer, loader = plugin.prepare(Accelerator(cpu=True), model, optimizer, loader)
+    for _ in range(epochs):
+        for batch in loader:
+            model(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    plugin.close()
+    assert plugin.outer_rounds == 2 * epochs
+    return [record.getMessage() for record in caplog.records if "remembers about" in record.getMessage()]
+
+
+@pytest.mark.timeout(120)
+def test_outer_momentum_warning_counts_the_rounds_of_the_whole_run(caplog):
+    """12 epochs of 2 rounds are 24 rounds, more than twice what the momentum remembers: no warning. One epoch of 2
+    rounds is warned about, with the run's count, once the run has ended (the plugin cannot know it before)."""
+    with caplog.at_level("WARNING"):
+        long_run = _loop_of_epochs(12, caplog)
+        short_run = _loop_of_epochs(1, caplog)
+    assert long_run == []
+    assert len(short_run) == 1 and "this run has only 2 (4 inner steps / inner_steps=2)" in short_run[0]
+
+
 # ------------------------------------------------------------------------------------------------ 2-process loop
 
 H, STEPS, SAVE_AT, BATCH, LR, WORKERS = 4, 10, 6, 2, 3e-3, 2

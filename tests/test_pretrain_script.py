@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from tests.dist_utils import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "pretrain.py"
+README = ROOT / "README.md"
 PER_RANK_SCRIPT = ROOT / "tests" / "scripts" / "pretrain_per_rank.py"
 STEPS = 8
 SECRET_TOKEN = "hf_ddpBaselineSecretToken"
@@ -143,7 +145,7 @@ def _check_output_folder(output_dir: Path) -> None:
 
 
 def _assert_card_quotes_all_results(output_dir: Path) -> None:
-    """The card's results (front matter model-index and the table) are exactly those in all_results.json."""
+    """The card's results section lists every figure of all_results.json; its model-index, the evaluation's."""
     results = json.loads((output_dir / "all_results.json").read_text())
     card = (output_dir / "README.md").read_text()
     front = yaml.safe_load(card.split("---\n")[1])
@@ -152,8 +154,8 @@ def _assert_card_quotes_all_results(output_dir: Path) -> None:
     assert quoted == {k: v for k, v in results.items() if k.startswith("eval_") and not _timing(k)}
     section = card.split("## Evaluation results")[1].split("##")[0]
     assert "after training" in section
-    table = dict(re.findall(r"^\| (eval_\w+) \| ([\d.,e+-]+) \|$", section, flags=re.M))
-    assert set(table) == set(quoted)
+    table = dict(re.findall(r"^\| (\w+) \| ([\d.,e+-]+) \|$", section, flags=re.M))
+    assert set(table) == set(results)
     for key, text in table.items():
         assert float(text.replace(",", "")) == pytest.approx(results[key], rel=1e-5), key
 
@@ -389,6 +391,8 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
         "ddp_variable": (["--config", str(_small_config(tmp_path, "ddp"))], {"DILOCO_COMPRESSION": "fp4"},
                          r"DILOCO_COMPRESSION set in the environment, but this run has trainer: ddp"),
         "workers": (["--pipeline_stages", "2"], {}, r"world size 1 is not divisible by the worker size"),
+        "offline_push": (["--push_to_hub", "true"], {}, r"HF_HUB_OFFLINE is set: pushing the final model "
+                         r"\(push_to_hub\) to offline_push needs the network"),
         "tokenizer": (["--output_dir", str(existing), "--tokenizer.vocab_size", "600", "--max_steps", "12"], {},
                       r"This run's tokenizer in .*existing/tokenizer was trained with `tokenizer:` .*'vocab_size': "
                       r"512.*but the config now says .*'vocab_size': 600"),
@@ -471,6 +475,58 @@ def test_checkpoint_of_another_process_count_is_refused_naming_the_ways_out(two_
     assert "written by 2 processes and this run has 1" in message, message
     assert "--output_dir" in message and "--auto_resume false" in message
     assert {path: path.stat().st_mtime_ns for path in output_dir.rglob("*") if path.is_file()} == before
+
+
+# The README's commands shortened: the same commands and config, a smaller model, data and schedule.
+SHORT_RUN = [
+    "--max_steps", "4", "--inner_steps", "2", "--eval_steps", "2", "--save_steps", "2", "--logging_steps", "1",
+    "--warmup_steps", "0", "--per_device_train_batch_size", "2", "--data.max_train_samples", "12",
+    "--data.max_eval_samples", "2", "--data.block_size", "64", "--tokenizer.vocab_size", "512",
+    "--model.config.hidden_size", "32", "--model.config.num_hidden_layers", "2", "--model.config.intermediate_size", "64",
+]  # fmt: skip
+
+
+def _readme_start_here() -> list[list[str]]:
+    """The commands of the README's "Start here", in order: `make run` (what `make -n run` runs), then the training
+    commands of the block after it."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text().split("## Start here")[1], flags=re.S)
+    first = next(index for index, block in enumerate(blocks) if re.search(r"^make run\b", block, flags=re.M))
+    venv = Path(sys.executable).parent.parent
+    make = subprocess.run(["make", "-n", "run", f"VENV={venv}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    [make_run] = [line for line in make.stdout.replace("\\\n", " ").splitlines() if "scripts/pretrain.py" in line]
+    commands = [shlex.split(make_run)]
+    for line in blocks[first + 1].splitlines():
+        words = shlex.split(line.split("#")[0])
+        if words and words[0] in ("hf-diloco", "torchrun") and "--help" not in words:
+            commands.append(words)
+    return commands
+
+
+@pytest.mark.timeout(600)
+def test_the_readme_commands_after_make_run_each_train_in_a_folder_of_their_own(tmp_path):
+    """In a fresh folder, as a newcomer types them: `make run`, `hf-diloco pretrain --config tiny_diloco`, then the
+    torchrun command; each trains and saves a model in its own folder. The same command again finds its run done."""
+    (tmp_path / "scripts").symlink_to(ROOT / "scripts")  # `make run` names scripts/pretrain.py from a checkout
+    commands = _readme_start_here()
+    assert [words[:2] for words in commands[1:]] == [["hf-diloco", "pretrain"], ["torchrun", "--nproc_per_node"]]
+    programs = Path(sys.executable).parent
+    folders = []
+    for words in commands:
+        command = [str(programs / words[0]), *words[1:], *SHORT_RUN]
+        if words[0] == "torchrun":
+            command[1:1] = ["--master_port", str(free_port())]
+        result = _finish(subprocess.Popen(command, cwd=tmp_path, env=_environment(), stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, start_new_session=True), 420)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "already holds a finished run" not in result.stderr, result.stderr[-3000:]
+        folder = json.loads(result.stdout[result.stdout.index("{\n") :])["output_dir"]
+        assert (tmp_path / folder / "model.safetensors").is_file() and (tmp_path / folder / "README.md").is_file()
+        folders.append(folder)
+    assert folders == ["outputs/make_run/tiny_diloco", "outputs/tiny_diloco", "outputs/tiny_diloco_2proc"]
+    again = [str(programs / "hf-diloco"), *commands[1][1:], *SHORT_RUN]
+    result = _finish(subprocess.Popen(again, cwd=tmp_path, env=_environment(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True), 300)  # fmt: skip
+    assert result.returncode == 0 and "outputs/tiny_diloco already holds a finished run" in result.stderr
 
 
 def test_makefile_runs_use_separate_folders():

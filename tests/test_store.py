@@ -143,12 +143,8 @@ def test_two_sites_racing_to_close_a_round_leave_exactly_one_manifest_and_both_a
                      for board in boards]  # fmt: skip
         decided: dict[str, Manifest] = {}
         start = threading.Barrier(2)
-
-        def close(board: RoundBoard, proposal: Manifest) -> None:
-            start.wait()
-            decided[board.site] = board.decide(proposal)
-
-        threads = [threading.Thread(target=close, args=pair) for pair in zip(boards, proposals)]
+        threads = [threading.Thread(target=_close_at_once, args=(*pair, start, decided))
+                   for pair in zip(boards, proposals)]  # fmt: skip
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -158,6 +154,11 @@ def test_two_sites_racing_to_close_a_round_leave_exactly_one_manifest_and_both_a
         assert [key for key in store.list("f0/m/") if f"/{round_:08d}-" in key] == [
             StoreNames(KEYS).manifest(0, round_)
         ]
+
+
+def _close_at_once(board: RoundBoard, proposal: Manifest, start: threading.Barrier, decided: dict) -> None:
+    start.wait()
+    decided[board.site] = board.decide(proposal)
 
 
 def test_an_object_a_stranger_puts_in_the_store_is_ignored_and_named(tmp_path, caplog):

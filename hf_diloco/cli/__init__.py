@@ -11,6 +11,7 @@ from .refusals import exit_status_of
 
 COMMANDS = {
     "pretrain": "Pretrain a causal LM from a YAML config (the main job; launch it with torchrun or accelerate).",
+    "launch": "torchrun for pretrain on several processes, where a refused input ends with its message and exit 2.",
     "push": "Upload a saved model folder to the Hugging Face Hub (weights, tokenizer, card; no checkpoints).",
     "plot": "Plot the loss, bytes sent and sync wait of one or more runs as PNG files.",
     "configs": "List the configs shipped with the package, or print one to start your own from.",

@@ -8,9 +8,10 @@ latest `checkpoint-*`) and writes:
 * `bytes_sent.png`: cumulative bytes sent across workers by the outer sync (`diloco/bytes_sent`) against tokens,
 * `sync_wait.png`: cumulative seconds spent waiting for outer syncs (`diloco/sync_wait_seconds`) against steps.
 
-Several runs (e.g. a DDP baseline and DiLoCo) go on the same axes, one line each:
+The PNG files go into `plots/` in the run's folder (the first run's with several; `--out` names another folder).
+Several runs (e.g. DiLoCo and a DDP baseline) go on the same axes, one line each:
 
-    hf-diloco plot outputs/tiny_diloco outputs/tiny_ddp/trainer_state.json --out plots/
+    hf-diloco plot outputs/tiny_diloco outputs/tiny_ddp/trainer_state.json     # writes outputs/tiny_diloco/plots/
 
 Needs matplotlib (`pip install "hf_diloco[plots]"`).
 """
@@ -44,6 +45,17 @@ def find_trainer_state(path: str | Path) -> Path:
     if not checkpoints:
         raise FileNotFoundError(f"no trainer_state.json in {path} or its checkpoint-* folders")
     return checkpoints[-1] / "trainer_state.json"
+
+
+def run_folder(path: str | Path) -> Path:
+    """The output folder of the run that `path` names: a run directory itself, or the folder holding a
+    `trainer_state.json` file (the run's, above it, when that is a `checkpoint-N` folder)."""
+    path = Path(path)
+    if path.is_file():
+        path = path.parent
+        if re.fullmatch(r"checkpoint-\d+", path.name):
+            path = path.parent
+    return path
 
 
 def load_log_history(path: str | Path) -> LogHistory:
@@ -199,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plot loss, bytes sent across workers and time waiting for syncs of one or more runs (PNG files).",
     )
     parser.add_argument("runs", nargs="+", help="run directories or trainer_state.json files")
-    parser.add_argument("--out", default="plots", help="directory for the PNG files (default: plots)")
+    parser.add_argument(
+        "--out", default=None, help="directory for the PNG files (default: plots/ in the (first) run's folder)"
+    )
     return parser
 
 
@@ -217,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not any(runs.values()):
         print("no log entries found; nothing to plot", file=sys.stderr)
         return 1
-    written = plot_runs(runs, args.out, finals)
+    written = plot_runs(runs, args.out or run_folder(args.runs[0]) / "plots", finals)
     for name in ("loss", "bytes_sent", "sync_wait"):
         print(f"{name}: {written[name]}" if name in written else f"{name}: not logged, no plot")
     return 0

@@ -8,6 +8,8 @@
 - `--model.KEY`, `--tokenizer.KEY`, `--data.KEY` set a key of those sections (`--data.block_size 128`), and
   `--model.config.FIELD` one field of the model's config (`--model.config.hidden_size 64`). Values are read as YAML
   (`--data.data_files '{train: corpus.txt}'`).
+- `output_dir`, when neither the config nor the command line sets it: `outputs/CONFIG` for one process,
+  `outputs/CONFIG_<N>proc` for N (`default_output_dir`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import math
 import os
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import yaml
 
@@ -86,11 +89,13 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
 
     Raises:
         `ValueError`: an unknown or misplaced key (in the file or given as a flag), naming the closest valid key; a
-            DiLoCo value that is not valid, naming where it was set (flag, variable or file).
-        `SystemExit`: `--help`, or a flag argparse does not know.
+            DiLoCo value that is not valid, naming where it was set (flag, variable or file); a flag argparse does not
+            know or a value it cannot read.
+        `SystemExit`: `--help`.
     """
     environ = os.environ if environ is None else environ
     first = argparse.ArgumentParser(add_help=False)
+    _refuse_instead_of_exiting(first)
     first.add_argument("--config", default=DEFAULT_CONFIG)
     first.add_argument("--trainer", choices=TRAINERS)
     known, _ = first.parse_known_args(argv)
@@ -106,16 +111,41 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
         refuse_auto_for(trainer, auto)
     argv, model_config = _split_model_config_flags(argv)
     parser = build_parser(config, trainer, environ)
+    _refuse_instead_of_exiting(parser)
     namespace = vars(parser.parse_args(argv))
     overrides = {key: namespace.pop(key) for key in list(namespace) if "." in key or key in ("trainer", "auto_resume")}
     overrides.update(model_config)
     namespace.pop("config")
+    if namespace.get("output_dir") is None:
+        namespace["output_dir"] = default_output_dir(known.config, environ)
     if overrides:
         config = apply_overrides(config, overrides)
     if trainer == "diloco":
         check_diloco_values(namespace, *diloco_defaults(config, trainer, environ))
     (arguments_class,) = parser.dataclass_types
     return PretrainCommandLine(config, arguments_class(**namespace), config.auto_resume, auto)
+
+
+def _refuse_instead_of_exiting(parser: argparse.ArgumentParser) -> None:
+    """A flag argparse cannot read becomes a `ValueError`, a refusal like any other bad input: said once, by the main
+    process (argparse's own error prints its usage on every process of a launch), exit status 2 all the same."""
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(f"{message}. `hf-diloco pretrain --help` lists the flags.")
+
+    parser.error = refuse
+
+
+def default_output_dir(config: str, environ: Mapping[str, str]) -> str:
+    """
+    The output folder of a run whose config and command line set none: `outputs/CONFIG` (the config's name, or its
+    file's name without `.yaml`) for one process, `outputs/CONFIG_<N>proc` for the N processes a launcher started
+    (`WORLD_SIZE`). A checkpoint resumes only with the process count that wrote it, so a run of the same config on
+    another count trains in a folder of its own, and the same command run again finds its own run there.
+    """
+    name = Path(config).name.removesuffix(".yaml").removesuffix(".yml")
+    processes = int(environ.get("WORLD_SIZE", "1") or 1)
+    return f"outputs/{name}" if processes == 1 else f"outputs/{name}_{processes}proc"
 
 
 def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] | None = None):
@@ -157,7 +187,9 @@ def short_help(config: LoadedConfig, trainer: str, environ: Mapping[str, str]) -
         description=_description(config),
         epilog=(
             "Every field of transformers' TrainingArguments is a flag too (--max_steps, --output_dir, "
-            f"--gradient_accumulation_steps, ...): {HELP_ALL} lists them all with their help."
+            f"--gradient_accumulation_steps, ...): {HELP_ALL} lists them all with their help. Without an output_dir "
+            "in the config or on the command line, the run writes outputs/CONFIG (one process) or "
+            "outputs/CONFIG_<N>proc (N processes)."
         ),
     )
     _add_config_flags(parser, config)

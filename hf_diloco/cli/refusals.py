@@ -11,6 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from .launch import record_refusal
+
 REFUSED_STATUS = 2
 
 
@@ -21,8 +23,10 @@ def exit_status_of(command: Callable[[], int]) -> int:
     except Exception as error:
         if not is_refusal(error) or os.environ.get("HF_DILOCO_TRACEBACK", "") not in ("", "0"):
             raise
-        if _process_rank() == 0:
-            print(f"hf-diloco: error: {error}", file=sys.stderr, flush=True)
+        line = f"hf-diloco: error: {error}"
+        # Every rank leaves it for torchrun's report; `hf-diloco launch` prints it once for all of them.
+        if not record_refusal(line) and _process_rank() == 0:
+            print(line, file=sys.stderr, flush=True)
         return REFUSED_STATUS
 
 

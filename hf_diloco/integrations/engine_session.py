@@ -6,7 +6,8 @@ momentum). The loop then reports the start and the end of every inner step (`ste
 steps after each inner optimizer step call, whether a GradScaler skipped the update or not (every worker then counts
 the same steps), and the time between the two, less the outer-sync wait inside it, is the
 `diloco/compute_utilization` that `metrics()` adds to the engine's own. `close()` applies what is in flight and
-copies theta_g into the model.
+copies theta_g into the model; where the run's length was not known at the start (a raw loop that decides its epochs
+itself), the short-run warning is given there, from the rounds the whole run had.
 """
 
 from __future__ import annotations
@@ -93,12 +94,15 @@ class EngineSession:
         engine (`DiLoCo`): the engine.
         utilization (`ComputeUtilization`): the share of wall time spent computing inner steps.
         skipped_steps (`int`): inner steps whose optimizer step a GradScaler skipped (still counted by the engine).
+        warn_at_close (`bool`): `close()` gives the short-run warning, from the steps the run took (the main process
+            of a run whose length was unknown at the start).
     """
 
-    def __init__(self, engine: DiLoCo):
+    def __init__(self, engine: DiLoCo, warn_at_close: bool = False):
         self.engine = engine
         self.utilization = ComputeUtilization(lambda: engine.stats["sync_wait_seconds"])
         self.skipped_steps = 0
+        self.warn_at_close = warn_at_close
 
     @classmethod
     def start(
@@ -120,7 +124,9 @@ class EngineSession:
         Args:
             model, inner_optimizer, config, topology, num_blocks, extra_fingerprint: passed to [`DiLoCo`].
             total_steps (`int`): the inner steps the run will take (0 when unknown).
-            steps_label (`str`, *optional*): what the start-up line calls those steps.
+            steps_label (`str`, *optional*): what the start-up line calls those steps; any other label than `steps`
+                (e.g. one epoch's) says that they are not the whole run's, whose short-run warning then waits for
+                `close()`.
             announce (`bool`, *optional*): whether this process speaks for the run (the main process).
             tokens_per_step (`float`, *optional*): the tokens one inner step of this site trains (all its ranks): a
                 store round weighs each site's contribution by them (1: by steps).
@@ -139,12 +145,13 @@ class EngineSession:
             store=store_from_config(config, topology),
         )
         engine.tokens_per_step = tokens_per_step
+        whole_run = steps_label == "steps" and total_steps > 0
         if announce:
             logger.warning(run_summary(engine, total_steps, steps_label))
-            warning = config.short_run_warning(total_steps) if total_steps > 0 else None
+            warning = config.short_run_warning(total_steps) if whole_run else None
             if warning:
                 logger.warning(warning)
-        return cls(engine)
+        return cls(engine, warn_at_close=announce and not whole_run)
 
     def step_begin(self) -> None:
         """An inner step starts (repeated calls before `step_end`, one per micro-batch, keep the first)."""
@@ -172,3 +179,7 @@ class EngineSession:
         """Apply every exchange in flight and sync the tails (`DiLoCo.close`), then copy theta_g into the model."""
         self.engine.close()
         self.engine.load_global_weights()
+        steps = self.engine.inner_step
+        warning = self.engine.config.short_run_warning(steps) if self.warn_at_close and steps > 0 else None
+        if warning:
+            logger.warning(warning)

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 from accelerate.utils import str_to_bool
 
+from .settings import overlap_label
+
 if TYPE_CHECKING:  # the type only: the main job's --help reads this module without the engine
     from ..core.diloco import DiLoCo
 
@@ -82,7 +84,8 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
         f"{_count(workers * topology.data_parallel_size * topology.pipeline_stages, 'process')}"
     )
     schedule = (
-        f"H={config.inner_steps}, P={config.num_fragments}, tau={config.sync_delay}, overlap={overlap_label(config)}, "
+        f"H={config.inner_steps}, P={config.num_fragments}, tau={config.sync_delay}, "
+        f"overlap={overlap_label(config.diloco_dict())}, "
         f"compression={config.compression}{' (adaptive)' if config.adaptive_compression else ''}"
     )
     rounds = f"{total_steps // config.inner_steps} outer round(s) in {total_steps} {steps_label}"
@@ -116,13 +119,6 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
         elif config.lowrank_rank or config.entropy_coding:
             traffic = "at most " + traffic
     return f"DiLoCo run: {grid}; {schedule}; {traffic}; {rounds}."
-
-
-def overlap_label(config) -> str:
-    """The overlap mode as a user should read it: streaming with tau = 0 hides nothing, every exchange blocks."""
-    if config.overlap == "streaming" and config.sync_delay == 0:
-        return "none (each exchange blocks)"
-    return config.overlap
 
 
 def _count(number: int, noun: str) -> str:

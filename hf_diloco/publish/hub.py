@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, constants
 
 from .model_card import DILOCO_TAG, has_diloco_tag, point_card_at_repo, write_model_card
 
@@ -143,8 +143,13 @@ def push_folder_to_hub(
 
     Returns:
         `CommitInfo`: the upload commit (a `Future` of it with `run_as_future=True`).
+
+    Raises:
+        `ValueError`: `folder` is not a directory, or has no card and `model_card` is not given; Hugging Face's
+            offline mode is on (`HF_HUB_OFFLINE`), before anything is written or sent.
     """
     folder = Path(folder)
+    refuse_offline_push(f"{folder}", repo_id)
     if not folder.is_dir():
         raise ValueError(f"folder {folder} does not exist or is not a directory.")
     ensure_model_card(folder, model_card)
@@ -160,6 +165,16 @@ def push_folder_to_hub(
         run_as_future=run_as_future,
         token=token,
     )
+
+
+def refuse_offline_push(what: str, repo_id: str) -> None:
+    """Raise `ValueError` when Hugging Face's offline mode is on (`HF_HUB_OFFLINE=1`, or `TRANSFORMERS_OFFLINE=1`):
+    huggingface_hub would refuse every request of the push, after the repository's card had been written."""
+    if constants.is_offline_mode():
+        raise ValueError(
+            f"HF_HUB_OFFLINE is set: pushing {what} to {repo_id} needs the network. Unset HF_HUB_OFFLINE (and "
+            "TRANSFORMERS_OFFLINE) for this command, on a machine that reaches the Hub; nothing was written or sent."
+        )
 
 
 def publish_operations(

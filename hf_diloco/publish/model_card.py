@@ -18,6 +18,8 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from ..integrations.settings import overlap_label
+
 TEMPLATE_NAME = "diloco_model_card.md"
 DILOCO_TAG = "diloco"
 FP32_BYTES = 4
@@ -34,6 +36,8 @@ REQUIRED_SETTINGS = (
 NOT_RECORDED = "not recorded"
 _FROM_PRETRAINED = re.compile(r'\.from_pretrained\("[^"\n]*"\)')
 _TIMING_SUFFIXES = ("_runtime", "_samples_per_second", "_steps_per_second")
+# What `Trainer.train()` reports beside `train_*` (all_results.json holds them next to the evaluation's metrics).
+_TRAINING_FIGURES = ("epoch", "total_flos", "num_input_tokens_seen")
 
 
 def template_text() -> str:
@@ -109,8 +113,10 @@ def render_model_card(
         data_description (`str`): what the model was trained on, in a sentence or a paragraph (Markdown).
         base_model (`str`, *optional*): the checkpoint training started from; `None` for a random initialisation.
         training_results (`Mapping[str, Any]`, *optional*):
-            Metrics of an evaluation of exactly the weights the card describes, e.g. `{"eval_loss": 3.1,
-            "eval_perplexity": 22.2}`; they fill the results table and the `model-index` of the front matter.
+            The run's results, e.g. `all_results.json`: metrics of an evaluation of exactly the weights the card
+            describes (`{"eval_loss": 3.1, "eval_perplexity": 22.2}`, or `perplexity` as run_clm.py names it) fill the
+            results table and the `model-index` of the front matter; every other figure (`train_*`, `epoch`,
+            `total_flos`, `num_input_tokens_seen`, timings) is listed in a table of its own below them.
         model_name (`str`, *optional*): title of the card; defaults to the last part of `repo_id`.
         repo_id (`str`, *optional*): Hub id or local folder shown in the usage snippet.
         extra_tags (`Sequence[str]`, *optional*): tags added after the DiLoCo ones.
@@ -146,6 +152,7 @@ def render_model_card(
     if model_name is None:
         model_name = repo_id.rstrip("/").split("/")[-1] if repo_id else "DiLoCo model"
     results = _evaluation_metrics(training_results)
+    others = {key: value for key, value in (training_results or {}).items() if key not in results}
     metadata = _card_data(
         settings,
         model_name=model_name,
@@ -168,7 +175,7 @@ def render_model_card(
         "fragment_pattern": settings.get("fragment_pattern", NOT_RECORDED),
         "sync_delay": settings["sync_delay"],
         "merge_alpha": _number(settings["merge_alpha"]),
-        "overlap": _overlap(settings),
+        "overlap": overlap_label(settings),
         "outer_optimizer": _outer_optimizer(settings),
         "compression": _compression(settings),
         "pipeline_stages": settings["pipeline_stages"],
@@ -185,7 +192,7 @@ def render_model_card(
         "bytes_ratio": _ratio(summary["ratio"], num_workers, summary["ddp_bytes"]),
         "reduction": f"{summary['reduction']:,.1f}x" if summary["reduction"] else "n/a",
         "sync_wait": _seconds(communication.get("sync_wait_seconds")),
-        "evaluation": _evaluation_section(results, evaluated, training_log),
+        "evaluation": _evaluation_section(results, evaluated, training_log, others),
         "hyperparameters": _bullet_list(hyperparameters),
         "training_log": _markdown_table(training_log) or "No evaluation during training.",
         "framework_versions": _bullet_list(framework_versions()),
@@ -243,11 +250,15 @@ def _card_data(
 
 
 def _evaluation_metrics(results: Mapping[str, Any] | None) -> dict[str, float]:
-    """The numeric evaluation metrics of `results`, without the timing entries."""
+    """The numeric evaluation metrics of `results`: without the timing entries and the training figures."""
     return {
         key: value
         for key, value in (results or {}).items()
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not key.endswith(_TIMING_SUFFIXES)
+        if isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and not key.endswith(_TIMING_SUFFIXES)
+        and not key.startswith("train_")
+        and key not in _TRAINING_FIGURES
     }
 
 
@@ -295,11 +306,18 @@ def never_improved(evaluations: Sequence[tuple[Any, float]], final_loss: float |
 
 
 def _evaluation_section(
-    results: Mapping[str, float], evaluated: str, training_log: Sequence[Mapping[str, Any]] | None = None
+    results: Mapping[str, float],
+    evaluated: str,
+    training_log: Sequence[Mapping[str, Any]] | None = None,
+    others: Mapping[str, Any] | None = None,
 ) -> str:
     evaluations = [(row.get("Step"), row["Validation Loss"]) for row in training_log or [] if "Validation Loss" in row]
     warning = never_improved(evaluations, results.get("eval_loss")) if results else None
     section = _measured_section(results, evaluated)
+    if others:
+        rows = [f"| {key} | {_number(value)} |" for key, value in others.items()]
+        header = "The run's other figures (the training loss and the token count are one worker's):"
+        section += "\n\n" + "\n".join([header, "", "| Figure | Value |", "| --- | --- |", *rows])
     return section if warning is None else f"**Warning:** {warning}\n\n{section}"
 
 
@@ -354,12 +372,6 @@ def _algorithm_name(settings: Mapping[str, Any]) -> str:
     if int(settings["num_fragments"]) > 1 or int(settings["sync_delay"]) > 0:
         return "Streaming DiLoCo"
     return "DiLoCo"
-
-
-def _overlap(settings: Mapping[str, Any]) -> str:
-    if settings["overlap"] == "eager" and settings.get("eager_estimate", "own_share") != "own_share":
-        return f"eager ({settings['eager_estimate']} estimate of each round until its average arrives)"
-    return settings["overlap"]
 
 
 def _outer_optimizer(settings: Mapping[str, Any]) -> str:

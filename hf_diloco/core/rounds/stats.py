@@ -40,7 +40,10 @@ class EngineStats(Mapping):
         outer_state_bytes: bytes of everything the engine holds on this rank beyond the model and the inner optimizer
             (θg, outer optimizer state, eager's trajectory and its state, residuals, low-rank warm starts, buffers of
             exchanges in flight, the reused pseudo-gradient and average buffers), after the last `step()`; with D data-parallel
-            ranks per worker about 1/D of D = 1's.
+            ranks per worker about 1/D of D = 1's. Before a fragment's first round only its θg is held: that round
+            allocates the outer momentum, the reused buffers and any residual, so the figure rises during the first
+            round and then stays (plain DiLoCo: from 4 to 16 bytes per parameter at the first round, a 4x step
+            between two logs).
         sync_wait_seconds: time the training loop waited for exchanges.
         skipped_nonfinite: rounds skipped on every worker because their average was not finite.
         skipped_divergent: rounds skipped on every worker by the divergence guard.

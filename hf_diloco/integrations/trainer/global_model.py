@@ -55,7 +55,7 @@ class GlobalModel:
         with self._global_weights(), self._gathers_on_global_points():
             metrics = super().evaluate(*args, **kwargs)
         if self.diloco_run.model_is_global:
-            self.diloco_run.final_metrics.update({k: v for k, v in metrics.items() if k.startswith("eval_")})
+            self.diloco_run.final_metrics.update(metrics)
         return metrics
 
     def predict(self, *args, **kwargs):
@@ -112,13 +112,14 @@ class GlobalModel:
             self._write_model_card(self.args.output_dir)
 
     def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
-        """`Trainer.save_metrics`; after training, the card in `output_dir` then quotes `all_results.json`."""
+        """`Trainer.save_metrics`; after training, the card in `output_dir` then quotes every figure of
+        `all_results.json` (a metric a script adds under its own name, run_clm.py's `perplexity`, included)."""
         super().save_metrics(split, metrics, combined)
         folder = Path(self.args.output_dir)
         results_file, card = folder / ALL_RESULTS_NAME, folder / "README.md"
         if not (self.is_world_process_zero() and self.diloco_run.model_is_global and results_file.is_file()):
             return
-        results = {k: v for k, v in json.loads(results_file.read_text()).items() if k.startswith("eval_")}
+        results = json.loads(results_file.read_text())
         if results and has_diloco_tag(card):
             self.diloco_run.final_metrics = results
             self._write_model_card(folder)
