@@ -236,3 +236,64 @@ def in_order(shares: list[tuple[list, torch.Tensor]], order: list[tuple]) -> tor
     vector = torch.cat([params[name][start : start + length] for name, start, length in order])
     assert not vector.isnan().any(), "the shares do not cover the fragment"
     return vector
+
+
+class Blackout:
+    """A TCP relay on loopback between the sites and the store's server, whose link the test cuts and restores:
+    while `down`, open connections are closed and new ones refused at once (the store does not answer)."""
+
+    def __init__(self, target_port: int):
+        import threading
+
+        self.target_port, self.down = target_port, False
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.open: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut(self) -> None:
+        with self._lock:
+            self.down = True
+            for connection in self.open:
+                with contextlib.suppress(OSError):
+                    connection.close()
+            self.open.clear()
+
+    def restore(self) -> None:
+        self.down = False
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.down:
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self.open += [client, server]
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for end in (source, sink):
+                with contextlib.suppress(OSError):
+                    end.close()

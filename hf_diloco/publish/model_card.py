@@ -99,6 +99,7 @@ def render_model_card(
     training_log: Sequence[Mapping[str, Any]] | None = None,
     tokens_seen: int | None = None,
     membership: Mapping[str, Any] | None = None,
+    store: Mapping[str, Any] | None = None,
 ) -> str:
     """
     Render the model card of a model trained with DiLoCo.
@@ -135,6 +136,9 @@ def render_model_card(
         membership (`Mapping[str, Any]`, *optional*): with elastic workers, the run's membership history as
             `engine.elastic.log.summary()` gives it (exchanges, fewest and most workers, joins, drops, retries, heals);
             `None`: a fixed set of workers.
+        store (`Mapping[str, Any]`, *optional*): through an object store (`exchange: store`), the run's rounds as
+            `engine.store.summary()` gives them (rounds, fewest, most and mean sites per round, late contributions,
+            rounds closed at the deadline, sites clipped, the store's URL).
 
     Returns:
         `str`: the card, YAML front matter included.
@@ -180,7 +184,7 @@ def render_model_card(
         "compression": _compression(settings),
         "pipeline_stages": settings["pipeline_stages"],
         "data_parallel_per_worker": settings["data_parallel_per_worker"],
-        "membership": _membership(membership),
+        "membership": _membership(membership) if store is None else _store_rounds(store),
         "world_size": num_workers * int(settings["pipeline_stages"]) * int(settings["data_parallel_per_worker"]),
         "data_description": data_description.strip() or NOT_RECORDED,
         "tokens_seen": _tokens(tokens_seen),
@@ -331,6 +335,19 @@ def _measured_section(results: Mapping[str, float], evaluated: str) -> str:
     rows = [f"| {key} | {_number(value)} |" for key, value in results.items()]
     header = f"Evaluation of the weights in this folder, {evaluated}:"
     return "\n".join([header, "", "| Metric | Value |", "| --- | --- |", *rows])
+
+
+def _store_rounds(summary: Mapping[str, Any]) -> str:
+    fewest, most = summary["fewest_sites"], summary["most_sites"]
+    sites = f"{most}" if fewest == most else f"{fewest}-{most}"
+    text = (
+        f"sites per round {sites} (mean {summary['mean_sites']:g}) over {summary['rounds']} rounds through the store "
+        f"{summary['store']}; {summary['late_contributions']} contribution(s) applied late, "
+        f"{summary['closed_at_deadline']} round(s) closed at the deadline"
+    )
+    if summary.get("clipped"):
+        text += f"; contributions of {', '.join(summary['clipped'])} scaled down by robust clipping"
+    return text
 
 
 def _membership(summary: Mapping[str, Any] | None) -> str:

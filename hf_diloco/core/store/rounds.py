@@ -45,7 +45,7 @@ from .board import RoundBoard
 from .joining import Snapshots, check_job, replay_after
 from .manifest import Manifest
 from .names import check_site_name
-from .objects import BoundedStore, ObjectStore
+from .objects import BoundedStore, ObjectStore, StoreUnreachableError
 from .sealing import JobKeys
 from .segments import merge_maps, model_map, share_segments
 from .settle import RoundSettler, Settled, padded_numel
@@ -213,9 +213,13 @@ class StoreRounds:
         self.join()
 
     def drain(self) -> None:
-        """Wait until every launch in flight is uploaded and settled (a checkpoint: the store holds the rest)."""
-        for flight in self.flights.values():
-            self._wait(flight)
+        """Wait until every launch in flight is uploaded and settled (a checkpoint: the store holds the rest); one
+        that failed (the store lost) is dropped: its rounds are the store's, read again when the site resumes."""
+        for index, flight in list(self.flights.items()):
+            try:
+                self._wait(flight)
+            except (StoreUnreachableError, OuterSyncError):
+                del self.flights[index]
 
     def close(self) -> None:
         """Apply what is in flight, then send each fragment's tail to its final round and apply everything up to it,

@@ -22,6 +22,7 @@ import torch
 from ..exchange.pending import OuterSyncError
 from .board import RoundBoard
 from .manifest import ClosingRule, Manifest, weigh
+from .objects import StoreUnreachableError
 from .segments import overlaps
 from .site import SiteGroup
 
@@ -85,19 +86,44 @@ class RoundSettler:
         if self.config.error_feedback:
             residual = torch.sub(padded, codec.decode(payload, padded.numel(), pool=pool))[: sent.numel()].clone()
         own = bytes(payload.numpy())
-        sha = self.board.put_share(index, base, own, self.segments[index], codec.name)
-        share = json.dumps({"sha256": sha, "segments": self.segments[index]})
-        shares = [json.loads(text) for text in self.site.gather_text(share)]
+        failure: Exception | None = None
+        share = "!"  # what a rank that lost the store tells the others, so that the whole site stops together
+        try:
+            sha = self.board.put_share(index, base, own, self.segments[index], codec.name)
+            share = json.dumps({"sha256": sha, "segments": self.segments[index]})
+        except StoreUnreachableError as error:
+            failure = error
+        texts = self.site.gather_text(share)
+        self._stop_with_the_site("!" in texts, failure)
+        shares = [json.loads(text) for text in texts]
         norm = math.sqrt(self.site.total(float(sent.double().pow(2).sum())))
         started = time.monotonic()
+        last = -1
         if self.site.leader:
-            self.board.put_record(index, base, tokens, shares, final=final, norm=norm)
-            self.board.beat(self.positions())
-        last = self.site.share([self.settle(index, base, final) if self.site.leader else 0])[0]
+            try:
+                self.board.put_record(index, base, tokens, shares, final=final, norm=norm)
+                self.board.beat(self.positions())
+                last = self.settle(index, base, final)
+            except StoreUnreachableError as error:
+                failure = error
+        last = self.site.share([last])[0]
+        self._stop_with_the_site(last < 0, failure)
         waited = time.monotonic() - started
         own_share = {(self.config.site, self.board.incarnation, base, self.site.index): own}
-        rounds = [self.read_round(index, r, own_share) for r in range(base + 1, last + 1)]
+        rounds = []
+        try:
+            rounds = [self.read_round(index, r, own_share) for r in range(base + 1, last + 1)]
+        except StoreUnreachableError as error:
+            failure = error
+        self._stop_with_the_site(self.site.total(float(failure is not None)) > 0, failure)
         return Settled(rounds, residual, self.bounded.bytes_up - up, self.bounded.bytes_down - down, waited)
+
+    def _stop_with_the_site(self, stopped: bool, failure: Exception | None) -> None:
+        """Raise on every rank of the site when any of them lost the store (its own error where it has one)."""
+        if stopped:
+            raise failure or StoreUnreachableError(
+                f"another rank of site {self.config.site} lost the store {self.bounded.url}: see its error"
+            )
 
     def settle(self, index: int, base: int, final: bool) -> int:
         """(The leader.) The last round to apply now: the first round after `base` once decided (closing it when its

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from transformers import TrainerCallback
 
 from ...core.diloco import DiLoCo
 from ...core.layout.topology import Topology
+from ...core.store.objects import StoreUnreachableError
 from ..accelerate_worker import needs_no_ddp, prepare_without_ddp, route_ddp_to_worker, worker_topology
 from ..engine_session import EngineSession
 
@@ -101,6 +103,15 @@ class EngineLifecycle:
         self._logged_at()
         return model, train_dataloader
 
+    def _save_before_stopping(self) -> None:
+        """The store did not answer within its bound: save this site's checkpoint (its own state, the store keeps
+        the job's) so that the same command resumes here once the store answers again."""
+        # This step was trained: the Trainer counts it, and steps its schedule, only after the callbacks.
+        self.state.global_step += 1
+        if not isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            self.lr_scheduler.step()
+        self._save_checkpoint(self.model, trial=None)
+
     def _sequences_per_step(self) -> float:
         """The sequences one inner step of this site trains (every data-parallel rank's batches): the weight of its
         contributions through a store, next to sites of other batch sizes."""
@@ -134,7 +145,11 @@ class EngineStepCallback(TrainerCallback):
     def on_optimizer_step(self, args, state, control, **kwargs) -> None:
         session = self._trainer.diloco_run.session
         if session is not None:
-            session.step_end(skipped=self._trainer.accelerator.optimizer_step_was_skipped)
+            try:
+                session.step_end(skipped=self._trainer.accelerator.optimizer_step_was_skipped)
+            except StoreUnreachableError:
+                self._trainer._save_before_stopping()  # every rank of the site stops here, together
+                raise
             self._trainer._follow_the_round(state)
             if session.engine.job_finished:  # through a store, the job's final round came: every site stops here
                 control.should_training_stop = True

@@ -138,10 +138,12 @@ class GlobalModel:
         tasks = _as_list(options.get("tasks"))
         elastic = self.diloco.elastic if self.diloco is not None else None
         membership = elastic.log.summary() if elastic is not None else None
-        num_workers = membership["most_workers"] if membership else topology.num_workers
+        store = self.diloco.store.summary() if self.diloco is not None and self.diloco.store is not None else None
+        num_workers = membership["most_workers"] if membership else store["most_sites"] if store else topology.num_workers
         return {
             "settings": {**self.args.diloco_dict(), "num_workers": num_workers},
             "membership": membership,
+            "store": store,
             "communication": {
                 "bytes_sent": stats.get("bytes_sent", 0),
                 "steps": self.diloco.inner_step if self.diloco is not None else 0,
