@@ -2,7 +2,7 @@
 
 The package's own errors (and `ValueError`, which every check of an input raises) say what was wrong and what to
 do; a traceback per rank around that line hides it. Any other exception keeps its traceback: it is a bug to report.
-`HF_DILOCO_TRACEBACK=1` shows the traceback of a refusal too.
+`HF_DILOCO_TRACEBACK=1` shows the traceback of a refusal too. A message never shows a secret (`redact`).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+
+from ..integrations.redaction import redact
 
 REFUSED_STATUS = 2
 
@@ -22,7 +24,7 @@ def exit_status_of(command: Callable[[], int]) -> int:
         if not is_refusal(error) or os.environ.get("HF_DILOCO_TRACEBACK", "") not in ("", "0"):
             raise
         if _process_rank() == 0:
-            print(f"hf-diloco: error: {error}", file=sys.stderr, flush=True)
+            print(f"hf-diloco: error: {redact(str(error))}", file=sys.stderr, flush=True)
         return REFUSED_STATUS
 
 

@@ -1,8 +1,9 @@
 """One job per output folder: a lock file held by the job's main process from before it writes anything to its exit.
 
 The lock is `fcntl.flock` on `output_dir/.hf_diloco.lock`: atomic, held as long as the process lives, released by
-the kernel when it dies (so a killed job never blocks the next). The file records the holder (host, pid, start time,
-command) for the message a second job gets; a record left by a process that is gone (the lock free, the file still
+the kernel when it dies (so a killed job never blocks the next). The file, readable by its owner only, records the
+holder (host, pid, start time, command with every secret replaced by `***`, `redaction.py`) for the message a second
+job gets; a record left by a process that is gone (the lock free, the file still
 there after a kill) is taken over with a log line. At a clean exit the holder deletes the file while it still holds
 the lock; a job that opened the file just before checks, once it holds the lock, that the path still names the file
 it locked, and starts over otherwise (so two jobs never hold locks on two different files of the same name).
@@ -23,6 +24,8 @@ import socket
 import sys
 import time
 from pathlib import Path
+
+from .redaction import redact, redact_argv
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ def acquire_output_folder(folder: str | os.PathLike) -> Path:
     if key in _held:
         return path
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             previous = _read_record(descriptor)
             if not _flock(descriptor, previous):
@@ -61,6 +64,7 @@ def acquire_output_folder(folder: str | os.PathLike) -> Path:
                 logger.warning(
                     "Taking over the lock of %s left by %s (no longer running).", folder, _describe_holder(previous)
                 )
+            os.fchmod(descriptor, 0o600)  # a file left by a killed job may have been readable by all
             _write_record(descriptor)
         except BaseException:
             os.close(descriptor)
@@ -154,7 +158,7 @@ def _write_record(descriptor: int) -> None:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(sys.argv)[:500],
+        "command": " ".join(redact_argv(sys.argv))[:500],
     }
     os.ftruncate(descriptor, 0)
     os.lseek(descriptor, 0, os.SEEK_SET)
@@ -163,10 +167,11 @@ def _write_record(descriptor: int) -> None:
 
 
 def _describe_holder(record: dict) -> str:
+    # Redacted again: a record written by another version, or one this process can tell secrets in, says no more.
     if "unreadable" in record:
-        return f"a process whose record is unreadable ({record['unreadable']!r})"
+        return f"a process whose record is unreadable ({redact(str(record['unreadable']))!r})"
     started = f", started {record['started']}" if record.get("started") else ""
-    command = f": {record['command']}" if record.get("command") else ""
+    command = f": {redact(str(record['command']))}" if record.get("command") else ""
     return f"pid {record.get('pid', '?')} on host {record.get('host', '?')}{started}{command}"
 
 
