@@ -17,6 +17,7 @@ import pytest
 
 SLOW_MODULES = {
     "test_buffers",
+    "test_clear_answers",
     "test_cli",
     "test_dropin",
     "test_engine_faults",

@@ -34,8 +34,16 @@ LOCK_NAME = ".hf_diloco.lock"
 _held: dict[str, int] = {}  # real path of a held lock file -> its open descriptor (one per process)
 
 
-class OutputFolderInUseError(RuntimeError):
+class OutputFolderRefused(RuntimeError):
+    """The output folder cannot be this job's."""
+
+
+class OutputFolderInUseError(OutputFolderRefused):
     """Another job holds the output folder's lock."""
+
+
+class OutputFolderNotWritableError(OutputFolderRefused):
+    """The output folder (or its lock file) cannot be written: a read-only folder or file system."""
 
 
 def acquire_output_folder(folder: str | os.PathLike) -> Path:
@@ -43,15 +51,15 @@ def acquire_output_folder(folder: str | os.PathLike) -> Path:
 
     Raises:
         `OutputFolderInUseError`: naming the job that holds it and the ways out.
+        `OutputFolderNotWritableError`: the folder cannot be written, before anything was built to be written there.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     key = os.path.realpath(path)
     if key in _held:
         return path
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        descriptor = _open_lock_file(folder, path)
         try:
             previous = _read_record(descriptor)
             if not _flock(descriptor, previous):
@@ -73,6 +81,20 @@ def acquire_output_folder(folder: str | os.PathLike) -> Path:
     _held[key] = descriptor
     atexit.register(release_output_folder, folder)
     return path
+
+
+def _open_lock_file(folder: Path, path: Path) -> int:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
+            raise
+        raise OutputFolderNotWritableError(
+            f"The output folder {folder} cannot be written ({error.strerror}: {error.filename}): the run writes its "
+            "tokenizer, checkpoints and model there. Nothing was trained. Give this run a folder it can write with "
+            f"--output_dir, or make {folder} writable for this user."
+        ) from None
 
 
 def release_output_folder(folder: str | os.PathLike) -> None:
@@ -192,7 +214,8 @@ def hold_output_folder(
     bound: str = "sync_timeout_seconds",
 ) -> None:
     """The job's main process takes `folder`'s lock; every rank of `group` (a gloo group of all ranks, or None)
-    raises the same `OutputFolderInUseError` when it could not, instead of waiting for it at a later point."""
+    raises the same `OutputFolderInUseError` (or `OutputFolderNotWritableError`) when it could not, instead of
+    waiting for it at a later point."""
     from ..core.agreement import all_gather_text
     from .global_points import wait_for_all_ranks
 
@@ -200,10 +223,11 @@ def hold_output_folder(
     if is_main_process:
         try:
             acquire_output_folder(folder)
-        except OutputFolderInUseError as error:
-            refusal = str(error)
+        except OutputFolderRefused as error:
+            refusal = f"{type(error).__name__}:{error}"
     if group is not None:
         wait_for_all_ranks(group, "taking the output folder's lock", timeout_seconds, bound)
         refusal = all_gather_text(refusal, group)[0]
     if refusal:
-        raise OutputFolderInUseError(refusal)
+        kind, _, message = refusal.partition(":")
+        raise {cls.__name__: cls for cls in OutputFolderRefused.__subclasses__()}[kind](message)
