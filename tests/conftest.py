@@ -17,6 +17,7 @@ import pytest
 
 SLOW_MODULES = {
     "test_buffers",
+    "test_clear_answers",
     "test_cli",
     "test_dropin",
     "test_engine_faults",
@@ -81,6 +82,8 @@ SLOW_TESTS = {
     "test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model",
     # `hf-diloco pretrain` from a planned YAML (a subprocess run of the main job).
     "test_the_plan_starts_hf_diloco_pretrain_on_a_tiny_model",
+    # The main job on 2 processes with secrets, and a second job refused by its lock.
+    "test_no_secret_reaches_a_file_or_a_message_and_the_lock_is_the_owners",
 }
 ELASTIC_MODULES = {
     "test_elastic",

@@ -342,7 +342,7 @@ def test_the_outer_state_rises_at_the_first_round_as_its_documentation_says():
     """`diloco/outer_state_bytes` of plain DiLoCo steps up 4x between two logs: before the first round the engine
     holds theta_g alone, and the first round allocates the outer momentum and the two buffers the rounds reuse. The
     metric's documentation (the `EngineStats` docstring, and docs/design.md) says so with these figures."""
-    from hf_diloco.core.stats import EngineStats
+    from hf_diloco.core.rounds.stats import EngineStats
 
     model = tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)

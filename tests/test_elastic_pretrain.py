@@ -119,3 +119,55 @@ def test_three_pretrain_sites_of_two_ranks_survive_a_lost_site_and_heal_it(tmp_p
             r"\| Worker membership \| elastic: \d+ exchanges among 2-3 workers; (\d+) drop\(s\), (\d+) join", card
         )
         assert row and int(row.group(1)) >= 1 and int(row.group(2)) >= 1, card
+
+
+@pytest.mark.slow
+def test_a_joiner_of_another_model_width_is_refused_naming_the_parameter_and_both_shapes(tmp_path):
+    """A site of the main job trains (one process, paced); another, `hf-diloco pretrain` with hidden_size 64 instead of
+    32, joins. It heals from the live site and refuses the state it received before loading any of it: exit status 2
+    and one line naming the parameter, both shapes and what to do. The live site trains on and finishes. The job's
+    secret signs the heal, and neither site writes or prints it."""
+    lighthouse = LighthouseProcess(tmp_path, heartbeat_ms=5000, join_timeout_ms=5000)
+    secret = "job-secret-" + os.urandom(12).hex()
+    config = yaml.safe_load(_config(tmp_path).read_text())
+    config["diloco"]["data_parallel_per_worker"] = 1
+    config["training"]["max_steps"] = 60
+    path = tmp_path / "one_process_site.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {name: value for name, value in os.environ.items() if not name.startswith("DILOCO_")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env.update(PYTHONPATH=str(ROOT), RUST_LOG="warn", HF_DILOCO_JOB_SECRET=secret, SITE_PACE="0.3")
+
+    started = []
+
+    def start(program: list[str], site: str, *extra: str) -> subprocess.Popen:
+        argv = [*program, "--config", str(path), "--output_dir", str(tmp_path / site)]
+        argv += ["--lighthouse", lighthouse.address(), "--site", site, "--site_host", "127.0.0.1", *extra]
+        with open(tmp_path / f"{site}.log", "wb") as log:
+            started.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+        return started[-1]
+
+    try:
+        live = start([sys.executable, str(SITE)], "live")
+        deadline = time.monotonic() + 180
+        while "DiLoCo run: elastic" not in (tmp_path / "live.log").read_text(errors="replace"):
+            assert live.poll() is None and time.monotonic() < deadline, (tmp_path / "live.log").read_text()[-3000:]
+            time.sleep(0.2)
+        joiner = start([sys.executable, "-m", "hf_diloco", "pretrain"], "wider", "--model.config.hidden_size", "64")
+        codes = {"wider": joiner.wait(timeout=300), "live": live.wait(timeout=300)}
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        lighthouse.kill()
+    logs = {name: (tmp_path / f"{name}.log").read_text(errors="replace") for name in codes}
+    assert codes == {"wider": 2, "live": 0}, {name: log[-3000:] for name, log in logs.items()}
+    assert logs["wider"].splitlines()[-1] == (
+        "hf-diloco: error: A live peer trains another model than this worker: model.embed_tokens.weight is [512, 32] "
+        "in the peer and [512, 64] in this worker. Every site of a job trains the same model: start this worker with "
+        "the live sites' model settings (model: in the config, e.g. hidden_size, num_hidden_layers, the vocabulary), "
+        "or train this model as a job of its own, against another Lighthouse."
+    )
+    written = [p.read_bytes() for site in ("live", "wider") for p in (tmp_path / site).rglob("*") if p.is_file()]
+    assert not [data for data in [*written, *(log.encode() for log in logs.values())] if secret.encode() in data]

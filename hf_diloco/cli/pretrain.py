@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..integrations.global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
+from ..integrations.interruption import StoppedRun, rerun_or_resume_from, stop_on_signals
 from ..integrations.output_lock import hold_output_folder
 from ..integrations.run_summary import check_processes_joined
 from ..job.config_file import LoadedConfig
@@ -40,9 +41,18 @@ DEFAULT_BLOCK_SIZE = 256
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the main job; returns the exit status."""
-    command_line = parse_command_line(sys.argv[1:] if argv is None else argv)
+    """Run the main job; returns the exit status. SIGTERM and SIGINT end it at once with 143 and 130, rank 0 naming
+    the last saved step and the command that resumes from it (`integrations/interruption.py`)."""
+    with stop_on_signals(StoppedRun("hf-diloco")) as stopped:
+        return run_job(sys.argv[1:] if argv is None else argv, stopped)
+
+
+def run_job(argv: Sequence[str], stopped: StoppedRun) -> int:
+    """The main job of `main`; `stopped` learns where its checkpoints go and how it resumes."""
+    command_line = parse_command_line(argv)
     config, args = command_line.config, command_line.args
+    stopped.output_dir, stopped.manifests = args.output_dir, config.trainer == "diloco"
+    stopped.resume = rerun_or_resume_from(command_line.auto_resume)
     check_processes_joined(
         args.world_size,
         "On a machine without GPUs pass --use_cpu or set ACCELERATE_USE_CPU=1; for one worker, launch one process.",
@@ -345,9 +355,13 @@ def checkpoint_to_resume_from(output_dir: str, use_diloco: bool) -> str | None:
 
 def check_resumable(checkpoint: str, args: Any, use_diloco: bool) -> None:
     """
-    Refuse, before any work, a checkpoint this run cannot continue: written by another number of processes, or by
-    the other trainer. The message names the ways out (`--output_dir`, `--auto_resume false`).
+    Refuse, before any work, a checkpoint this run cannot continue: holding pickled objects (not one this project
+    wrote), written by another number of processes, or by the other trainer. The message names the ways out
+    (`--output_dir`, `--auto_resume false`).
     """
+    from ..integrations.atomic_checkpoints import refuse_foreign_pickles
+
+    refuse_foreign_pickles(checkpoint, args.output_dir)
     ranks = sorted(Path(checkpoint).glob("diloco_state_rank*.pt"))
     problem = None
     if ranks and not use_diloco:

@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 import yaml
 
 from ..core.settings.config import ENV_PREFIX, DiLoCoConfig, diloco_field_names
+from ..integrations.redaction import redact
 from ..job.config_file import TRAINERS, LoadedConfig, apply_overrides, parse_bool_option, read_config
 from .auto_settings import AutoRequest, refuse_auto_for, take_auto_values
 
@@ -165,6 +166,9 @@ def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] 
         usage="hf-diloco pretrain [--config CONFIG] [--KEY VALUE ...] (every key of the config is a flag, below)",
         description=_description(config),
     )
+    # argparse quotes what it could not read ("unrecognized arguments: --hub-tokn hf_..."): never with a secret.
+    plain_error = parser.error
+    parser.error = lambda message: plain_error(redact(message))
     diloco, _ = diloco_defaults(config, trainer, os.environ if environ is None else environ)
     defaults = {"report_to": default_report_to(), **config.section("training"), **diloco}
     parser.set_defaults(**defaults)

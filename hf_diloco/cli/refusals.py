@@ -2,7 +2,7 @@
 
 The package's own errors (and `ValueError`, which every check of an input raises) say what was wrong and what to
 do; a traceback per rank around that line hides it. Any other exception keeps its traceback: it is a bug to report.
-`HF_DILOCO_TRACEBACK=1` shows the traceback of a refusal too.
+`HF_DILOCO_TRACEBACK=1` shows the traceback of a refusal too. A message never shows a secret (`redact`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
+from ..integrations.redaction import redact
 from .launch import record_refusal
 
 REFUSED_STATUS = 2
@@ -23,7 +24,7 @@ def exit_status_of(command: Callable[[], int]) -> int:
     except Exception as error:
         if not is_refusal(error) or os.environ.get("HF_DILOCO_TRACEBACK", "") not in ("", "0"):
             raise
-        line = f"hf-diloco: error: {error}"
+        line = f"hf-diloco: error: {redact(str(error))}"
         # Every rank leaves it for torchrun's report; `hf-diloco launch` prints it once for all of them.
         if not record_refusal(line) and _process_rank() == 0:
             print(line, file=sys.stderr, flush=True)

@@ -98,6 +98,50 @@ def verify_checkpoint(folder: str | os.PathLike) -> None:
             )
 
 
+def load_checkpoint_file(path: str | os.PathLike, output_dir: str | os.PathLike | None = None, mmap: bool = False):
+    """`torch.load` of a checkpoint's pickle (`map_location="cpu"`, `weights_only=True`: tensors and plain containers
+    only, nothing of it runs). A file holding anything else raises `CheckpointError` naming it and the way out; torch's
+    own message, which suggests loading it with `weights_only=False`, is not shown."""
+    import pickle
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():  # torch warns about the pickle protocol of a file it is about to refuse
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(_foreign_pickle(Path(path), output_dir, str(error))) from None
+
+
+def refuse_foreign_pickles(checkpoint: str | os.PathLike, output_dir: str | os.PathLike | None = None) -> None:
+    """Before a resume loads anything: every pickle of `checkpoint` that a resume reads (`*.pt`, `*.pth`, `*.bin`
+    but `training_args.bin`, which holds the arguments object and is never read back) opens with `weights_only=True`
+    under the numpy types transformers allows for its RNG state, or `CheckpointError` names it. Tensors are mapped,
+    not read."""
+    import zipfile
+
+    from transformers.trainer_pt_utils import safe_globals
+
+    for path in sorted(Path(checkpoint).iterdir()):
+        if path.suffix in (".pt", ".pth", ".bin") and path.name != "training_args.bin" and path.is_file():
+            with safe_globals():
+                load_checkpoint_file(path, output_dir, mmap=zipfile.is_zipfile(path))
+
+
+def _foreign_pickle(path: Path, output_dir: str | os.PathLike | None, torch_message: str) -> str:
+    named = re.search(r"GLOBAL ([\w.]+)", torch_message)
+    what = f"it would call {named.group(1)}" if named else "it is not a torch.save of tensors and plain containers"
+    folder = path.parent
+    where = Path(output_dir) if output_dir is not None else folder.parent
+    return (
+        f"{path} holds objects other than tensors and plain containers ({what}): it is not a checkpoint this project "
+        f"wrote, and nothing of it was loaded or run. Move {folder} out of {where} (a resume then takes the newest "
+        "checkpoint left), or start a new run in another --output_dir."
+    )
+
+
 def checkpoint_step(folder: str | os.PathLike) -> int:
     """The step N of a `checkpoint-N` folder."""
     match = _CHECKPOINT_RE.match(Path(folder).name)

@@ -1,8 +1,9 @@
 """One job per output folder: a lock file held by the job's main process from before it writes anything to its exit.
 
 The lock is `fcntl.flock` on `output_dir/.hf_diloco.lock`: atomic, held as long as the process lives, released by
-the kernel when it dies (so a killed job never blocks the next). The file records the holder (host, pid, start time,
-command) for the message a second job gets; a record left by a process that is gone (the lock free, the file still
+the kernel when it dies (so a killed job never blocks the next). The file, readable by its owner only, records the
+holder (host, pid, start time, command with every secret replaced by `***`, `redaction.py`) for the message a second
+job gets; a record left by a process that is gone (the lock free, the file still
 there after a kill) is taken over with a log line. At a clean exit the holder deletes the file while it still holds
 the lock; a job that opened the file just before checks, once it holds the lock, that the path still names the file
 it locked, and starts over otherwise (so two jobs never hold locks on two different files of the same name).
@@ -24,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from .redaction import redact, redact_argv
+
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".hf_diloco.lock"
@@ -31,8 +34,16 @@ LOCK_NAME = ".hf_diloco.lock"
 _held: dict[str, int] = {}  # real path of a held lock file -> its open descriptor (one per process)
 
 
-class OutputFolderInUseError(RuntimeError):
+class OutputFolderRefused(RuntimeError):
+    """The output folder cannot be this job's."""
+
+
+class OutputFolderInUseError(OutputFolderRefused):
     """Another job holds the output folder's lock."""
+
+
+class OutputFolderNotWritableError(OutputFolderRefused):
+    """The output folder (or its lock file) cannot be written: a read-only folder or file system."""
 
 
 def acquire_output_folder(folder: str | os.PathLike) -> Path:
@@ -40,15 +51,15 @@ def acquire_output_folder(folder: str | os.PathLike) -> Path:
 
     Raises:
         `OutputFolderInUseError`: naming the job that holds it and the ways out.
+        `OutputFolderNotWritableError`: the folder cannot be written, before anything was built to be written there.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
     key = os.path.realpath(path)
     if key in _held:
         return path
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        descriptor = _open_lock_file(folder, path)
         try:
             previous = _read_record(descriptor)
             if not _flock(descriptor, previous):
@@ -61,6 +72,7 @@ def acquire_output_folder(folder: str | os.PathLike) -> Path:
                 logger.warning(
                     "Taking over the lock of %s left by %s (no longer running).", folder, _describe_holder(previous)
                 )
+            os.fchmod(descriptor, 0o600)  # a file left by a killed job may have been readable by all
             _write_record(descriptor)
         except BaseException:
             os.close(descriptor)
@@ -69,6 +81,20 @@ def acquire_output_folder(folder: str | os.PathLike) -> Path:
     _held[key] = descriptor
     atexit.register(release_output_folder, folder)
     return path
+
+
+def _open_lock_file(folder: Path, path: Path) -> int:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as error:
+        if not isinstance(error, PermissionError) and error.errno != errno.EROFS:
+            raise
+        raise OutputFolderNotWritableError(
+            f"The output folder {folder} cannot be written ({error.strerror}: {error.filename}): the run writes its "
+            "tokenizer, checkpoints and model there. Nothing was trained. Give this run a folder it can write with "
+            f"--output_dir, or make {folder} writable for this user."
+        ) from None
 
 
 def release_output_folder(folder: str | os.PathLike) -> None:
@@ -154,7 +180,7 @@ def _write_record(descriptor: int) -> None:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": " ".join(sys.argv)[:500],
+        "command": " ".join(redact_argv(sys.argv))[:500],
     }
     os.ftruncate(descriptor, 0)
     os.lseek(descriptor, 0, os.SEEK_SET)
@@ -163,10 +189,11 @@ def _write_record(descriptor: int) -> None:
 
 
 def _describe_holder(record: dict) -> str:
+    # Redacted again: a record written by another version, or one this process can tell secrets in, says no more.
     if "unreadable" in record:
-        return f"a process whose record is unreadable ({record['unreadable']!r})"
+        return f"a process whose record is unreadable ({redact(str(record['unreadable']))!r})"
     started = f", started {record['started']}" if record.get("started") else ""
-    command = f": {record['command']}" if record.get("command") else ""
+    command = f": {redact(str(record['command']))}" if record.get("command") else ""
     return f"pid {record.get('pid', '?')} on host {record.get('host', '?')}{started}{command}"
 
 
@@ -187,7 +214,8 @@ def hold_output_folder(
     bound: str = "sync_timeout_seconds",
 ) -> None:
     """The job's main process takes `folder`'s lock; every rank of `group` (a gloo group of all ranks, or None)
-    raises the same `OutputFolderInUseError` when it could not, instead of waiting for it at a later point."""
+    raises the same `OutputFolderInUseError` (or `OutputFolderNotWritableError`) when it could not, instead of
+    waiting for it at a later point."""
     from ..core.membership.agreement import all_gather_text
     from .global_points import wait_for_all_ranks
 
@@ -195,10 +223,11 @@ def hold_output_folder(
     if is_main_process:
         try:
             acquire_output_folder(folder)
-        except OutputFolderInUseError as error:
-            refusal = str(error)
+        except OutputFolderRefused as error:
+            refusal = f"{type(error).__name__}:{error}"
     if group is not None:
         wait_for_all_ranks(group, "taking the output folder's lock", timeout_seconds, bound)
         refusal = all_gather_text(refusal, group)[0]
     if refusal:
-        raise OutputFolderInUseError(refusal)
+        kind, _, message = refusal.partition(":")
+        raise {cls.__name__: cls for cls in OutputFolderRefused.__subclasses__()}[kind](message)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..core.diloco import DiLoCo
+from .atomic_checkpoints import load_checkpoint_file
 
 RANK_STATE_NAME = "diloco_state_rank{rank}.pt"
 _RANK_STATE_RE = re.compile(r"^diloco_state_rank(\d+)\.pt$")
@@ -81,7 +82,8 @@ def load_rank_state(
 
     Raises:
         `FileNotFoundError`: this rank's file is missing (the folder holds the state of other ranks, or none).
-        `ValueError`: the state was written by another number of processes.
+        `ValueError`: the state was written by another number of processes; `CheckpointError` (a `ValueError`): the
+            file holds objects other than tensors and plain containers (nothing of it runs).
     """
     path = rank_state_path(folder, rank)
     if not path.is_file():
@@ -97,7 +99,7 @@ def load_rank_state(
             f"{path} is missing: {reason}. Resume with the number of processes that saved it, or start a new run in "
             "another output folder."
         )
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_checkpoint_file(path)
     if state["world_size"] != world_size:
         raise ValueError(
             f"{folder} was written by {state['world_size']} processes, this run has {world_size}: resume with "
@@ -118,7 +120,7 @@ def _inner_state_from(folder: str | os.PathLike, holder: int, world_size: int) -
             f"{path} is missing: it holds the inner optimizer state of every data-parallel rank of its worker. Resume "
             "from a complete checkpoint (every rank's file), or start a new run in another output folder."
         )
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_checkpoint_file(path)
     if state["world_size"] != world_size or state["engine"].get("inner_optimizer") is None:
         raise ValueError(
             f"{path} holds no inner optimizer state for this run's {world_size} processes: the folder mixes files of "

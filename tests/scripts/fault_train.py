@@ -1,7 +1,7 @@
 """A small DiLoCoTrainer job for the fault tests: optionally SIGKILLs one rank once, mid-round, at a given step.
 
     PYTHONPATH=. torchrun --nproc_per_node 2 --max-restarts 1 tests/scripts/fault_train.py --output_dir OUT \
-        [--kill_at_step 10]
+        [--kill_at_step 10] [--max_steps 16]
 
 It resumes by itself from the newest complete checkpoint in OUT (as scripts/pretrain.py does), and appends every
 inner step it runs to OUT/steps_rank{r}.log so the test can count redone work. Run from the repository root with
@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--kill_at_step", type=int, default=0)
     parser.add_argument("--kill_rank", type=int, default=1)
+    parser.add_argument("--max_steps", type=int, default=16)
     cli = parser.parse_args()
 
     from datasets import Dataset
@@ -34,7 +35,7 @@ def main() -> None:
 
     args = DiLoCoTrainingArguments(
         output_dir=cli.output_dir,
-        max_steps=16,
+        max_steps=cli.max_steps,
         per_device_train_batch_size=2,
         learning_rate=3e-3,
         save_steps=4,

@@ -236,6 +236,7 @@ class ElasticRounds:
             "tails_done": list(self._tails_done),
             "outer_rounds": engine.outer_rounds,
             "sharding": sharding_kind(engine.sharded_model),
+            "shapes": model_shapes(engine.fragments),
         }
 
     def load_global_state(self, state: dict) -> None:
@@ -243,6 +244,7 @@ class ElasticRounds:
         engine = self.engine
         check_peer_settings(engine.config, state)
         check_same_sharding(state.get("sharding", "replicated"), sharding_kind(engine.sharded_model))
+        check_same_model(engine.fragments, state)
         engine.inner_step = load_shared_state(engine.fragments, engine.guard, state)
         # θg reaches the model in `_begin`, on every rank of the site at once (a collective among them).
         for index, flight in state["flights"].items():
@@ -470,6 +472,35 @@ def check_same_sharding(theirs: str, mine: str) -> None:
             f"its share of the global model with rank k of the others, and the shares of the two differ. Launch this "
             f"site as the others are ({launch})."
         )
+
+
+def model_shapes(fragments: list[Fragment]) -> list[list]:
+    """[name, shape] of each piece the fragments sync, in order: what a healer compares its own model with."""
+    return [[piece.name, list(shape)] for f in fragments for piece, shape in zip(f.pieces, f.shapes)]
+
+
+def check_same_model(fragments: list[Fragment], state: dict) -> None:
+    """Refuse a live peer's `global_state` for another model (another width, depth or vocabulary) before any of it is
+    loaded, naming the first parameter whose shape differs, with both shapes (from a peer that sent no shapes: θg's
+    size by fragment)."""
+    mine, theirs = model_shapes(fragments), state.get("shapes")
+    if theirs is None:
+        mine = [[f"θg of fragment {f.index}", [f.theta_g.numel()]] for f in fragments]
+        theirs = [[f"θg of fragment {index}", [saved.numel()]] for index, saved in enumerate(state["global"])]
+    if theirs == mine:
+        return
+    peer, own = next(((peer, own) for peer, own in zip(theirs, mine) if peer != own), (None, None))
+    if peer is None:
+        first = f"the peer syncs {len(theirs)} parameters and this worker {len(mine)}"
+    elif peer[0] == own[0]:
+        first = f"{own[0]} is {peer[1]} in the peer and {own[1]} in this worker"
+    else:
+        first = f"the peer syncs {peer[0]} {peer[1]} where this worker syncs {own[0]} {own[1]}"
+    raise ValueError(
+        f"A live peer trains another model than this worker: {first}. Every site of a job trains the same model: "
+        "start this worker with the live sites' model settings (model: in the config, e.g. hidden_size, "
+        "num_hidden_layers, the vocabulary), or train this model as a job of its own, against another Lighthouse."
+    )
 
 
 def check_published_settings(mine: dict, peer: dict) -> None:

@@ -27,14 +27,17 @@ from ..architecture import architecture, describe_architecture_change
 from ..atomic_checkpoints import (
     CheckpointError,
     checkpoint_to_resume,
+    load_checkpoint_file,
     make_way_for_checkpoint,
     read_trainer_state,
+    refuse_foreign_pickles,
     rotate_checkpoints,
     save_failure,
     verify_checkpoint,
     write_manifest,
 )
 from ..global_points import PeerTimeoutError
+from ..interruption import StoppedRun, resume_a_trainer, stop_on_signals
 from ..rank_state import load_rank_state, rank_state_path, ranks_with_state, save_rank_state
 from .attributes import temporarily_set
 
@@ -74,15 +77,18 @@ class Checkpoints:
         - Resuming from a checkpoint at or past the last step trains nothing and writes nothing: `trainer.model`
           gets the checkpoint's (global) weights, `resumed_a_finished_run` is set and the output folder is left as
           it is (the settings are checked first, with one exchange: no engine starts).
+        - SIGTERM and SIGINT (unless the program handles them itself) end the process at once with 143 and 130,
+          rank 0 naming the last saved step and how to resume from it (`integrations/interruption.py`).
         """
         self.resumed_a_finished_run = False
-        checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
-        if checkpoint is not None:
-            self._check_checkpoint_fits(checkpoint)
-            if self._run_was_finished(checkpoint):
-                self._check_ranks_agree(checkpoint)
-                return self._leave_finished_run(checkpoint)
-        return super().train(checkpoint, *args, **kwargs)
+        with stop_on_signals(StoppedRun("DiLoCoTrainer", self.args.output_dir, resume_a_trainer)):
+            checkpoint = self._checkpoint_to_resume(resume_from_checkpoint)
+            if checkpoint is not None:
+                self._check_checkpoint_fits(checkpoint)
+                if self._run_was_finished(checkpoint):
+                    self._check_ranks_agree(checkpoint)
+                    return self._leave_finished_run(checkpoint)
+            return super().train(checkpoint, *args, **kwargs)
 
     def _checkpoint_to_resume(self, resume_from_checkpoint: str | bool | os.PathLike | None) -> str | None:
         if resume_from_checkpoint is True:
@@ -99,7 +105,9 @@ class Checkpoints:
         return None
 
     def _check_checkpoint_fits(self, checkpoint: str) -> None:
-        """Refuse a checkpoint of another world size or model architecture before anything is loaded from it."""
+        """Refuse a checkpoint of another world size or model architecture, or one holding pickled objects, before
+        anything is loaded from it."""
+        refuse_foreign_pickles(checkpoint, self.args.output_dir)
         writers = ranks_with_state(checkpoint)
         way_out = (
             "or start a new run in another --output_dir (or pass --auto_resume false / call train() without "
@@ -242,7 +250,7 @@ class Checkpoints:
         # same on every rank.
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(path):
-            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+            self.lr_scheduler.load_state_dict(load_checkpoint_file(path, self.args.output_dir))
         return None
 
     def _inner_state_is_per_rank(self, checkpoint: str) -> bool:
