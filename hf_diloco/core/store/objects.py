@@ -99,16 +99,17 @@ class BoundedStore:
                 return call()
             except Exception as error:  # the backend's own errors: network, throttling, server faults
                 waited = time.monotonic() - started
+                cause = (str(error).strip().splitlines() or [type(error).__name__])[0]  # one line, not a debug dump
                 if waited >= self.timeout_seconds:
                     raise StoreUnreachableError(
                         f"The store {self.url} did not answer for {waited:.0f} s ({tries} tries to {what} {key!r}; "
-                        f"store_timeout_seconds={self.timeout_seconds:g}): {error}. Check the store's address, "
+                        f"store_timeout_seconds={self.timeout_seconds:g}): {cause}. Check the store's address, "
                         "credentials and network; this site's checkpoint is saved and it resumes with the same "
                         "command once the store answers."
                     ) from error
                 if tries == 1:
                     logger.warning("the store %s failed to %s %r (%s); retrying for up to %g s", self.url, what, key,
-                                   error, self.timeout_seconds)  # fmt: skip
+                                   cause, self.timeout_seconds)  # fmt: skip
                 self._sleep(min(delay, max(0.0, self.timeout_seconds - waited)))
                 delay = min(delay * 2, 10.0) * (0.8 + 0.4 * random.random())
 

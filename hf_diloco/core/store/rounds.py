@@ -172,7 +172,8 @@ class StoreRounds:
             self.applied[fragment.index] = start
             replay_after(self.board, self.site, fragment.index, start, functools.partial(self._replay, fragment))
         rounds = [self.applied[f.index] for f in engine.fragments]
-        engine.inner_step = self.config.inner_steps * min(rounds) if rounds else 0
+        # The job's step, or this site's own where a checkpoint put it further (its round there never closed).
+        engine.inner_step = max(engine.inner_step, self.config.inner_steps * min(rounds) if rounds else 0)
         for fragment in engine.fragments:
             fragment.write_local(fragment.theta_g)
             self.launched_at[fragment.index] = engine.inner_step
