@@ -32,6 +32,8 @@ SLOW_MODULES = {
     "test_sharded_stages",
     "test_sharded_sync",
     "test_sharded_workers",
+    "test_store_pretrain",
+    "test_store_sites",
     "test_trainer",
     "test_trainer_fsdp",
     "test_trainer_guards",
@@ -98,6 +100,10 @@ ELASTIC_MODULES = {
 }
 
 
+# The exchange through an object store reaches it with obstore (the `store` extra).
+STORE_MODULES = {"test_store", "test_store_sites", "test_store_pretrain"}
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: runs whole jobs end to end; left out by `make test-fast`")
     config.addinivalue_line("markers", "elastic: workers under a torchft Lighthouse (the `elastic` extra)")
@@ -105,6 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     without_torchft = importlib.util.find_spec("torchft") is None
+    without_obstore = importlib.util.find_spec("obstore") is None
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if (
@@ -113,6 +120,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             or (item.originalname in SLOW_TESTS or item.name in SLOW_TESTS)
         ):
             item.add_marker(pytest.mark.slow)
+        if module in STORE_MODULES and without_obstore:
+            item.add_marker(pytest.mark.skip(reason="a store is reached with obstore: pip install 'hf_diloco[store]'"))
         if module in ELASTIC_MODULES:
             item.add_marker(pytest.mark.elastic)
             if without_torchft:

@@ -20,8 +20,6 @@ from safetensors.torch import load_file
 
 from tests.store_common import Blackout, s3_server
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parent.parent
 HF_DILOCO = Path(sys.executable).parent / "hf-diloco"
 SHORT = ["--max_steps", "12", "--inner_steps", "4", "--eval_strategy", "no", "--save_strategy", "no",
@@ -77,7 +75,9 @@ def _check_one_model(tmp_path: Path, outputs: dict[str, Path], store: str) -> No
         log = (tmp_path / f"{site}.log").read_text()
         assert f"through the store {store}, site {site}" in log and "quorum 2 after a grace window of 1 s" in log
         card = (outputs[site] / "README.md").read_text()
-        assert re.search(rf"sites per round (2-)?3 \(mean [\d.]+\) over \d+ rounds through the store {store}", card), card
+        assert re.search(rf"sites per round (2-)?3 \(mean [\d.]+\) over \d+ rounds through the store {store}", card), (
+            card
+        )
 
 
 @pytest.mark.timeout(600)

@@ -28,8 +28,6 @@ from tests.store_common import (
     whole,
 )
 
-pytestmark = pytest.mark.slow
-
 
 def _check_matches_the_replay(store: StoreBytes, out: Path, sites: list[str], max_staleness: int = 2) -> dict:
     """Every site's θg after every round it applied is the replay's, bit for bit; every site ends with the same."""
