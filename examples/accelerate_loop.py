@@ -76,7 +76,7 @@ def train(args: argparse.Namespace) -> DiLoCoPlugin:
         accelerator.load_state(args.resume_from)  # restores this rank's DiLoCo state too
     step = plugin.inner_step
     model.train()
-    while step < args.max_steps:
+    while step < args.max_steps and not plugin.job_finished:
         skip = step * args.gradient_accumulation_steps % len(loader)
         for batch in accelerator.skip_first_batches(loader, skip) if skip else loader:
             with accelerator.accumulate(model):
@@ -94,7 +94,7 @@ def train(args: argparse.Namespace) -> DiLoCoPlugin:
                 print(f"[rank {accelerator.process_index}] step {step} loss {loss.item():.4f} {plugin.metrics()}")
             if step == args.save_state_at:
                 accelerator.save_state(Path(args.output_dir) / f"state-{step}")
-            if step >= args.max_steps:
+            if step >= args.max_steps or plugin.job_finished:  # sites through a store end with the job's end
                 break
 
     plugin.close()  # the model now holds the global parameters theta_g, identical on every rank

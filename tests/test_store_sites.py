@@ -169,3 +169,30 @@ def test_objects_that_are_not_the_job_s_are_ignored_named_and_never_applied(tmp_
         assert any(key in results(tmp_path, site)[0]["summary"]["ignored_objects"] for site in sites), what
     for name in store.named(r"f0/m/\d{8}-[0-9a-f]{16}"):
         assert {e["site"] for e in store.opened(name)[0]["entries"]} <= {"a", "b"}
+
+
+@pytest.mark.timeout(240)
+def test_two_accelerate_loops_with_the_plugin_train_one_model_through_a_store(tmp_path):
+    """examples/accelerate_loop.py as it is, one process per site, given the store by `DILOCO_*` variables: the two
+    sites save the same global model."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.store_common import ROOT, site_env
+
+    processes = {}
+    for site in ("a", "b"):
+        variables = {"DILOCO_INNER_STEPS": "4", "DILOCO_EXCHANGE": "store", "DILOCO_STORE_URL": f"file://{tmp_path}/store",
+                     "DILOCO_SITE": site, "DILOCO_QUORUM": "2", "DILOCO_GRACE_SECONDS": "1"}  # fmt: skip
+        argv = [sys.executable, str(ROOT / "examples" / "accelerate_loop.py"), "--use_cpu", "--max_steps", "16",
+                "--num_rows", "64", "--output_dir", str(tmp_path / site)]  # fmt: skip
+        log = (tmp_path / f"{site}.log").open("wb")
+        processes[site] = subprocess.Popen(
+            argv, env=site_env(variables), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT
+        )
+    wait_all(processes, tmp_path, timeout=200)
+    models = [load_file(str(tmp_path / site / "final" / "model.safetensors")) for site in processes]
+    assert models[0].keys() == models[1].keys() and all(models[0][k].equal(models[1][k]) for k in models[0])
+    assert "through the store file://" in log_of(tmp_path, "a")

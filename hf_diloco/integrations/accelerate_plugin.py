@@ -240,6 +240,12 @@ class DiLoCoPlugin(DiLoCoSettings):
         different numbers of inner steps per round, end the loop at a round (`while plugin.outer_rounds < R`)."""
         return self._require_session().engine.outer_rounds
 
+    @property
+    def job_finished(self) -> bool:
+        """Through a store (`exchange: store`): the job's final round was applied (the first site to finish ended the
+        job); end the loop and call `close()`. Always False otherwise."""
+        return self._require_session().engine.job_finished
+
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """fp32 theta_g by parameter name (identical on every rank)."""
         return self._require_session().engine.global_parameters()

@@ -139,7 +139,9 @@ class GlobalModel:
         elastic = self.diloco.elastic if self.diloco is not None else None
         membership = elastic.log.summary() if elastic is not None else None
         store = self.diloco.store.summary() if self.diloco is not None and self.diloco.store is not None else None
-        num_workers = membership["most_workers"] if membership else store["most_sites"] if store else topology.num_workers
+        num_workers = (
+            membership["most_workers"] if membership else store["most_sites"] if store else topology.num_workers
+        )
         return {
             "settings": {**self.args.diloco_dict(), "num_workers": num_workers},
             "membership": membership,
