@@ -241,3 +241,22 @@ def test_the_exchange_reaches_other_workers_only_through_its_transport():
                     assert "data_parallel_sync_group" in text, (
                         f"{name}:{node.lineno} dist.{node.func.attr} across workers"
                     )
+
+
+def test_the_engine_s_old_module_paths_still_import_the_same_modules():
+    """Code written when the core was one flat room (`hf_diloco.core.config`, `hf_diloco.core.projection`,
+    `hf_diloco.core.stats.register_round_observer`, `from hf_diloco.core.exchange import OuterExchange`) still runs."""
+    import importlib
+
+    from hf_diloco.core import MOVED
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(f"hf_diloco.core.{old}") is importlib.import_module(f"hf_diloco.core.{new}")
+    from hf_diloco.core.exchange import OuterExchange, deflate_payload
+    from hf_diloco.core.exchange.exchange import OuterExchange as moved
+    from hf_diloco.core.exchange.payloads import deflate_payload as moved_deflate
+    from hf_diloco.core.membership import Membership, RoundView  # noqa: F401
+    from hf_diloco.core.rounds import DivergenceGuard, finite_and_scale  # noqa: F401
+    from hf_diloco.core.stats import register_round_observer  # noqa: F401
+
+    assert OuterExchange is moved and deflate_payload is moved_deflate

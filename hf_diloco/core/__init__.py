@@ -23,3 +23,42 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("rounds",),
     ("membership", "store"),
 )
+
+
+# The engine's modules were once one flat room; their old paths (`hf_diloco.core.config`, `hf_diloco.core.projection`,
+# ...) keep working for code written against them: each is the module of its room, imported on first use.
+MOVED = {
+    "topology": "layout.topology", "shard": "layout.shard", "fragments": "layout.fragments",
+    "buffers": "layout.buffers", "devices": "layout.devices", "codecs": "compression.codecs",
+    "lowrank": "compression.lowrank", "adaptive": "compression.adaptive", "config": "settings.config",
+    "settings_check": "settings.settings_check", "scaling_rules": "settings.scaling_rules",
+    "projection": "settings.projection", "outer_schedule": "settings.outer_schedule",
+    "pipelined_exchange": "exchange.pipelined", "lowrank_split": "exchange.lowrank_split",
+    "fragment": "rounds.fragment", "overlap": "rounds.overlap", "round_policy": "rounds.round_policy",
+    "stats": "rounds.stats", "checkpoint": "rounds.checkpoint", "elastic": "membership.elastic",
+    "elastic_background": "membership.elastic_background", "agreement": "membership.agreement",
+}  # fmt: skip
+
+
+def _install_moved_paths() -> None:
+    import importlib
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    class MovedPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            old = name.removeprefix(__name__ + ".")
+            return importlib.util.spec_from_loader(name, self) if old != name and old in MOVED else None
+
+        def create_module(self, spec):
+            return importlib.import_module(f"{__name__}.{MOVED[spec.name.rsplit('.', 1)[1]]}")
+
+        def exec_module(self, module):
+            return None
+
+    if not any(type(finder).__name__ == "MovedPaths" for finder in sys.meta_path):
+        sys.meta_path.append(MovedPaths())
+
+
+_install_moved_paths()
