@@ -173,8 +173,8 @@ def test_objects_that_are_not_the_job_s_are_ignored_named_and_never_applied(tmp_
 
 @pytest.mark.timeout(240)
 def test_two_accelerate_loops_with_the_plugin_train_one_model_through_a_store(tmp_path):
-    """examples/accelerate_loop.py as it is, one process per site, given the store by `DILOCO_*` variables: the two
-    sites save the same global model."""
+    """examples/accelerate_loop.py as it is, one process per site, given the store by `DILOCO_*` variables, streaming
+    two fragments with each exchange behind an inner step (τ = 1): the two sites save the same global model."""
     import subprocess
     import sys
 
@@ -184,7 +184,8 @@ def test_two_accelerate_loops_with_the_plugin_train_one_model_through_a_store(tm
 
     processes = {}
     for site in ("a", "b"):
-        variables = {"DILOCO_INNER_STEPS": "4", "DILOCO_EXCHANGE": "store", "DILOCO_STORE_URL": f"file://{tmp_path}/store",
+        variables = {"DILOCO_INNER_STEPS": "4", "DILOCO_NUM_FRAGMENTS": "2", "DILOCO_SYNC_DELAY": "1",
+                     "DILOCO_EXCHANGE": "store", "DILOCO_STORE_URL": f"file://{tmp_path}/store",
                      "DILOCO_SITE": site, "DILOCO_QUORUM": "2", "DILOCO_GRACE_SECONDS": "1"}  # fmt: skip
         argv = [sys.executable, str(ROOT / "examples" / "accelerate_loop.py"), "--use_cpu", "--max_steps", "16",
                 "--num_rows", "64", "--output_dir", str(tmp_path / site)]  # fmt: skip
