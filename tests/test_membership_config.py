@@ -65,7 +65,7 @@ def test_a_launch_of_several_processes_under_membership_is_refused_saying_what_t
         match=r"Set data_parallel_per_worker \(times pipeline_stages\) to 4 to make these processes one site",
     ):
         check_one_process_per_site(config, 4)
-    with pytest.raises(ValueError, match="= 1 x 2: under elastic membership one launch is one"):
+    with pytest.raises(ValueError, match="= 1 x 2: one launch is one site"):
         check_one_process_per_site(DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2), 4)
     check_one_process_per_site(DiLoCoConfig(**ELASTIC, pipeline_stages=2, data_parallel_per_worker=2), 4)  # one site
     check_one_process_per_site(DiLoCoConfig(), 4)  # a fixed membership of several processes is as before

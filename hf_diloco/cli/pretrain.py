@@ -123,6 +123,7 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
     `data.block_size` tokens (a new model's config is built here without its vocabulary, which the tokenizer decides
     later), and a run that pushes to the Hub is not in Hugging Face's offline mode.
     """
+    from ..core.diloco import check_store_given
     from ..core.layout.topology import RankLayout
     from ..integrations.engine_session import check_one_process_per_site
     from ..job.modeling import build_model_config, check_block_size
@@ -133,6 +134,7 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
     if use_diloco:
         RankLayout(args.world_size, args.pipeline_stages, args.data_parallel_per_worker)
         check_one_process_per_site(args.diloco_config(), args.world_size)
+        check_store_given(args.diloco_config(), store=None, membership=None, opening=True)
     check_block_size(_block_size(config), build_model_config(config.section("model"), vocab_size=0))
 
 

@@ -48,6 +48,7 @@ from .settings.config import DiLoCoConfig, refuse_unsupported
 from .settings.outer_schedule import learning_rate_now, scheduled
 from .settings.secret import job_secret
 from .store.objects import ObjectStore
+from .store.sealing import JobKeys
 from .store.rounds import StoreRounds
 
 
@@ -436,12 +437,22 @@ def _step_after_close(inner_step: int) -> RuntimeError:
     )
 
 
-def check_store_given(config: DiLoCoConfig, store: ObjectStore | None, membership: Membership | None) -> None:
-    """`exchange: store` and a store go together, and a store job has no membership (the store decides rounds)."""
-    if config.exchange == "store" and store is None:
+def check_store_given(
+    config: DiLoCoConfig, store: ObjectStore | None, membership: Membership | None, opening: bool = False
+) -> None:
+    """`exchange: store` and a store go together, and a store job has no membership (the store decides rounds);
+    `opening`: the store is opened later from `store_url` (check the rest before any work)."""
+    if config.exchange == "store" and store is None and not opening:
         raise ValueError(
             f"exchange 'store' needs the store: DiLoCo(..., store=hf_diloco.open_store({config.store_url!r})) "
             "(DiLoCoTrainer, DiLoCoPlugin and hf-diloco pretrain open it from store_url themselves)."
+        )
+    if config.exchange == "store":
+        JobKeys(job_secret(), insecure=config.insecure_no_secret)  # no secret: refused now, before any work
+    if config.exchange == "store" and not config.site:
+        raise ValueError(
+            "exchange 'store' needs site: this site's name, unique in the job (e.g. its host name): --site NAME, or "
+            "site: in the config's diloco: section of each site."
         )
     if store is not None and config.exchange != "store":
         raise ValueError("a store was given but exchange is 'process_group': set exchange: store and store_url.")

@@ -594,8 +594,6 @@ class DiLoCoConfig:
                 "exchange 'store' needs store_url: where the job's objects live, e.g. file:///shared/job, "
                 f"s3://bucket/prefix or hf://buckets/owner/name/prefix (got {self.store_url!r})."
             )
-        if not self.site:
-            raise ValueError("exchange 'store' needs site: this site's name, unique in the job (e.g. its host name).")
         if self.lighthouse:
             raise ValueError("exchange 'store' needs no Lighthouse: drop lighthouse (the store decides each round).")
         refused = []
