@@ -48,8 +48,8 @@ from .settings.config import DiLoCoConfig, refuse_unsupported
 from .settings.outer_schedule import learning_rate_now, scheduled
 from .settings.secret import job_secret
 from .store.objects import ObjectStore
-from .store.sealing import JobKeys
 from .store.rounds import StoreRounds
+from .store.sealing import JobKeys
 
 
 class DiLoCo:
