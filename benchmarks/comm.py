@@ -2,15 +2,15 @@
 
     python -m benchmarks.comm --steps 600 --methods ddp diloco streaming_fp4
 
-Every method trains the default small Llama (random init, same seed) with AdamW on the same stdlib token blocks, each
-worker on its own shard, for the same number of steps (the training run of `benchmarks.common`). Bytes are counted
-the same way for every method: what one rank hands to the network for cross-worker communication, with the
-collective's wire volume (ring all-reduce: 2 (M-1)/M x payload; DiLoCo's all_to_all + all_gather: 2 (M-1) x chunk).
-DDP's bytes are counted by a DDP communication hook around its real all-reduce; DiLoCo's by the engine. Eval loss is
-on held-out stdlib files, with the global parameters for DiLoCo. Bytes per token are the training loop's (steady
-state); the once-per-run tail syncs of `close()` (fragments trained since their last launch) are a separate column.
-Peak bytes per sync is the largest single exchange. Results go to a JSON file and a markdown table, and a PNG of
-loss vs tokens.
+Every method trains the default small Llama with AdamW on the same stdlib token blocks in the same order, each worker
+on its own shard, for the same number of steps (the training run of `benchmarks.common`; `--seed` sets the init, the
+held-out files, the order and the shards). Bytes are counted the same way for every method: what one rank hands to
+the network for cross-worker communication, with the collective's wire volume (ring all-reduce: 2 (M-1)/M x payload;
+DiLoCo's all_to_all + all_gather: 2 (M-1) x chunk). DDP's bytes are counted by a DDP communication hook around its
+real all-reduce; DiLoCo's by the engine. Eval loss is on held-out stdlib files, with the global parameters for
+DiLoCo. Bytes per token are the training loop's (steady state); the once-per-run tail syncs of `close()` (fragments
+trained since their last launch) are a separate column. Peak bytes per sync is the largest single exchange. Results
+go to a JSON file and a markdown table, and a PNG of loss vs tokens.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(str(error))
     results = []
     with tempfile.TemporaryDirectory() as folder:
-        data = prepare_data(Path(folder), args.block_size, args.train_files, args.vocab_size)
+        data = prepare_data(Path(folder), args.block_size, args.train_files, args.vocab_size, args.seed)
         print(f"training split: {len(data['train']) * args.block_size:,} tokens", flush=True)
         for spec in args.methods:
             method, _, workers = parsed[spec]

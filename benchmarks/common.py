@@ -1,8 +1,10 @@
 """What the benchmarks share: the command line a result records, worker processes, and the training run.
 
 The training run is the one `comm`, `quality` and `eager_estimate` measure: M gloo workers (processes on this
-machine) train the default small Llama (random init, the same seed for every method) with AdamW on the same stdlib
-token blocks, each worker on its own shard, for the same number of steps. A method is a spec
+machine) train the default small Llama with AdamW on stdlib token blocks, each worker on its own shard, for the same
+number of steps. `--seed` sets all that is random: the model's initialization, the held-out files (and so the
+tokenizer, trained on the rest), the order of the blocks and which worker gets which (`ShardBatches`); every method of
+one run shares them, so a gap between two methods of one seed is the methods' alone. A method is a spec
 `name[:key=value,...][@M]`: an entry of `METHODS` (a `DiLoCoConfig`, or None for DDP), `DiLoCoConfig` overrides and
 the run settings of `RUN_OVERRIDES`, and its number of workers. `REGIMES` are the two token budgets the loss
 comparisons use (`quality`, `quality --long`).
@@ -167,7 +169,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--log_every", type=int, default=10)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the model's random init (same for every method).")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Seed of the model's init, the held-out files, the block order and each worker's shard (the same for "
+        "every method of the run).",
+    )
     parser.add_argument(
         "--model",
         default="",
@@ -188,11 +196,13 @@ def steps_for_budget(args: argparse.Namespace, workers: int) -> int:
     return args.token_budget // (workers * args.batch_size * args.block_size)
 
 
-def prepare_data(folder: Path, block_size: int, train_files: int = 200, vocab_size: int = 4096) -> dict:
-    """Train a tokenizer on the stdlib corpus and write its token blocks to `folder/data.pt` for the workers."""
+def prepare_data(folder: Path, block_size: int, train_files: int = 200, vocab_size: int = 4096, seed: int = 0) -> dict:
+    """Train a tokenizer on the stdlib corpus and write its token blocks to `folder/data.pt` for the workers.
+
+    `seed` picks the held-out files and the `train_files` training files (`load_text_dataset`'s `seed`)."""
     from hf_diloco.job.data import build_tokenizer, load_text_dataset, tokenize_and_group
 
-    raw = load_text_dataset({"max_train_samples": train_files, "max_eval_samples": 12})
+    raw = load_text_dataset({"max_train_samples": train_files, "max_eval_samples": 12, "seed": seed})
     tokenizer = build_tokenizer({"vocab_size": vocab_size}, raw["train"]["text"])
     blocks = tokenize_and_group(raw, tokenizer, block_size)
     data = {
@@ -203,6 +213,35 @@ def prepare_data(folder: Path, block_size: int, train_files: int = 200, vocab_si
     }
     torch.save(data, folder / "data.pt")
     return data
+
+
+class ShardBatches:
+    """One worker's batches of `blocks`: each epoch a permutation of all blocks drawn from `seed` is dealt to the
+    `world` workers in turn (block i of it to worker i mod world), and each worker reads its deal in order.
+
+    Every worker draws the same permutations, so the shards are disjoint within an epoch; a seed gives the same
+    batches to every method of a run (with the same number of workers), another seed another order and deal.
+    """
+
+    def __init__(self, blocks: torch.Tensor, seed: int, rank: int, world: int, batch_size: int) -> None:
+        if len(blocks) < world:
+            raise ValueError(f"{len(blocks)} blocks cannot be dealt to {world} workers: use more --train_files.")
+        self.blocks, self.rank, self.world, self.batch_size = blocks, rank, world, batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.per_worker = len(blocks) // world  # the blocks left over by an uneven deal wait for the next epoch
+        self.deals: list[torch.Tensor] = []
+
+    def __call__(self, step: int) -> torch.Tensor:
+        """The batch of 0-based `step`."""
+        positions = range(step * self.batch_size, (step + 1) * self.batch_size)
+        return self.blocks[torch.stack([self._index(position) for position in positions])]
+
+    def _index(self, position: int) -> torch.Tensor:
+        epoch, offset = divmod(position, self.per_worker)
+        while len(self.deals) <= epoch:
+            order = torch.randperm(len(self.blocks), generator=self.generator)
+            self.deals.append(order[self.rank :: self.world][: self.per_worker])
+        return self.deals[epoch][offset]
 
 
 # ----------------------------------------------------------------------------------------------- the worker
@@ -294,12 +333,11 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
 
     if fields is not None and not ddp_steps:
         engine = start_engine()
-    shard = data["train"][rank::world]
+    batches = ShardBatches(data["train"], args.seed, rank, world, args.batch_size)
     curve = []
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
-        index = torch.arange((step - 1) * args.batch_size, step * args.batch_size) % len(shard)
-        ids = shard[index]
+        ids = batches(step - 1)
         loss = trained(input_ids=ids, labels=ids).loss
         loss.backward()
         if step <= ddp_steps:

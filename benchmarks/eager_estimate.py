@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     run_args.steps = steps_for_budget(run_args, run_args.workers)
     worker, columns = (recording_worker, EAGER_COLUMNS) if eager else (recording_blocking_worker, BLOCKING_COLUMNS)
     with tempfile.TemporaryDirectory() as folder:
-        prepare_data(Path(folder), run_args.block_size, run_args.train_files, run_args.vocab_size)
+        prepare_data(Path(folder), run_args.block_size, run_args.train_files, run_args.vocab_size, args.seed)
         outcome = run_on_workers(worker, args.workers, args.method, run_args, folder)
     table = report(args.method, run_args.steps, outcome[0]["eval_loss"], outcome[0]["rounds"], columns)
     print(table)

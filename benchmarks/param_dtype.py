@@ -23,6 +23,7 @@ import torch
 
 from benchmarks.common import (
     RESULTS_DIR,
+    ShardBatches,
     add_run_arguments,
     command_line,
     evaluate,
@@ -59,11 +60,11 @@ def _train(rank: int, world: int, setting: str, seed: int, args: argparse.Namesp
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
     engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=args.inner_steps))
-    shard_ids = data["train"][rank::world]
+    batches = ShardBatches(data["train"], seed, rank, world, args.batch_size)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if setting == "fp32_autocast" else contextlib.nullcontext()
     norms = []
     for step in range(1, args.steps + 1):
-        ids = shard_ids[torch.arange((step - 1) * args.batch_size, step * args.batch_size) % len(shard_ids)]
+        ids = batches(step - 1)
         with autocast:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -88,9 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     argv = with_defaults(list(sys.argv[1:] if argv is None else argv), DEFAULTS)
     args = parser.parse_args(argv)
     results = []
-    with tempfile.TemporaryDirectory() as folder:
-        prepare_data(Path(folder), args.block_size, args.train_files, args.vocab_size)
+    with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
+            folder = str(Path(scratch) / f"seed{seed}")  # the seed's held-out files, tokenizer and blocks
+            Path(folder).mkdir()
+            prepare_data(Path(folder), args.block_size, args.train_files, args.vocab_size, seed)
             for setting in SETTINGS:
                 runs = run_on_workers(_train, args.workers, setting, seed, args, folder, timeout_seconds=900)
                 results.append(runs[0])

@@ -46,6 +46,7 @@ import torch
 from benchmarks.common import (
     REGIMES,
     RESULTS_DIR,
+    ShardBatches,
     all_reduce_gradients,
     command_line,
     cosine_schedule,
@@ -93,7 +94,7 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
     engine = None if ddp else DiLoCo(model, optimizer, config)
     total_steps = settings.token_budget // (settings.batch_size * settings.block_size)  # over both workers
     schedule = cosine_schedule(total_steps // world, settings.warmup)  # over a worker's steps at equal speed
-    shard = data["train"][rank::world]
+    batches = ShardBatches(data["train"], seed, rank, world, settings.batch_size)
     slowed = rank == 1
     waits, step, job_steps, all_reduce_seconds = [], 0, 0, 0.0
     started = time.perf_counter()
@@ -101,8 +102,7 @@ def _worker(rank: int, world: int, policy: str, slowdown: float, seed: int, fold
         began = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = settings.lr * schedule(step if ddp else round(_job_steps(engine, world) / world))
-        index = torch.arange(step * settings.batch_size, (step + 1) * settings.batch_size) % len(shard)
-        ids = shard[index]
+        ids = batches(step)
         model(input_ids=ids, labels=ids).loss.backward()
         if ddp and slowed:  # before the all-reduce, which the fast worker then waits in
             time.sleep((slowdown - 1) * (time.perf_counter() - began))
@@ -262,9 +262,11 @@ def main(argv: list[str] | None = None) -> dict:
         link = SlowLink.create()
         link.set_rate(args.link_mbit)
     try:
-        with tempfile.TemporaryDirectory() as folder:
-            prepare_data(Path(folder), settings.block_size, settings.train_files, settings.vocab_size)
+        with tempfile.TemporaryDirectory() as scratch:
             for seed in seeds:
+                folder = str(Path(scratch) / f"seed{seed}")  # the seed's held-out files, tokenizer and blocks
+                Path(folder).mkdir()
+                prepare_data(Path(folder), settings.block_size, settings.train_files, settings.vocab_size, seed)
                 runs.append(_run("steps", 1, seed, folder, args.quick, link))
                 for slowdown in slowdowns:
                     for policy in policies:

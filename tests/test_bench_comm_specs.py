@@ -1,10 +1,12 @@
-"""`benchmarks.common` method specs: DiLoCoConfig overrides, the inner learning rate (DDP's too), workers; and a
-`benchmarks.comm` run that hands DDP over to DiLoCo."""
+"""`benchmarks.common` method specs: DiLoCoConfig overrides, the inner learning rate (DDP's too), workers; a
+`benchmarks.comm` run that hands DDP over to DiLoCo; and `--seed`, which sets the held-out files, the order and the
+shards as well as the initialization."""
 
 import json
 import sys
 
 import pytest
+import torch
 
 from benchmarks import comm, common
 
@@ -81,7 +83,6 @@ def test_the_inner_optimizer_is_a_run_setting_checked_before_any_run():
 def test_the_benchmarks_muon_takes_the_block_matrices_and_adamw_the_rest():
     """`inner=muon` is the front-ends' `inner_optimizer: muon`: Muon for each 2-D weight of the block stack, AdamW (the
     benchmarks' betas, weight decay 0.1 on every parameter) for embeddings, norms and head."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -100,3 +101,50 @@ def test_the_benchmarks_muon_takes_the_block_matrices_and_adamw_the_rest():
     assert all(group["betas"] == (0.9, 0.95) for group in adamw_groups)
     plain = common.inner_optimizer(model, "adamw", 0.002)
     assert isinstance(plain, torch.optim.AdamW) and plain.defaults["weight_decay"] == 0.1
+
+
+def _deals(seed: int, world: int, steps: int, batch: int = 1) -> list[list[int]]:
+    """Each rank's block indices over `steps` batches of 10 blocks numbered 0 ... 9."""
+    numbered = torch.arange(10).unsqueeze(1)
+    ranks = [common.ShardBatches(numbered, seed, rank, world, batch) for rank in range(world)]
+    return [[int(i) for step in range(steps) for i in shard(step).flatten()] for shard in ranks]
+
+
+def test_the_seed_sets_the_order_and_deals_every_block_of_an_epoch_once():
+    one, again, other = _deals(1, 2, 5), _deals(1, 2, 5), _deals(2, 2, 5)  # one epoch: 5 blocks per worker
+    assert one == again and one != other
+    for deal in (one, other):
+        assert sorted(deal[0] + deal[1]) == list(range(10))  # disjoint shards, every block dealt
+    two_epochs = _deals(1, 2, 5, batch=2)
+    assert [deal[:5] for deal in two_epochs] == one and two_epochs[0][5:] != one[0]  # each epoch a new order
+    assert sorted(two_epochs[0][5:] + two_epochs[1][5:]) == list(range(10))
+    assert _deals(1, 1, 10)[0] != list(range(10))  # one worker too reads a seeded order
+
+
+def _train_each(rank: int, world: int, runs: list[tuple[int, str]], args) -> list[dict]:
+    """The benchmarks' training run of DDP for each (seed, data folder) of `runs`, one after the other."""
+    results = []
+    for seed, folder in runs:
+        args.seed = seed
+        results.append(common.train_worker(rank, world, "ddp", args, folder))
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_a_seed_repeats_its_run_and_another_seed_changes_the_data_and_the_run(tmp_path):
+    """`--seed` picks the held-out files (so the tokenizer and blocks), the order and the shards: a real DDP run of
+    2 workers on seed 1 twice repeats itself to the bit, one on seed 2 trains and evaluates on other data."""
+    runs, data = [], {}
+    for name, seed in (("first", 1), ("again", 1), ("other", 2)):
+        (tmp_path / name).mkdir()
+        data[name] = common.prepare_data(tmp_path / name, 64, train_files=8, vocab_size=256, seed=seed)
+        runs.append((seed, str(tmp_path / name)))
+    assert all(torch.equal(data["first"][split], data["again"][split]) for split in ("train", "eval"))
+    assert not torch.equal(data["first"]["eval"][:1], data["other"]["eval"][:1])
+    tiny = '{"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64}'
+    args = common.run_settings(["--steps", "3", "--warmup", "1", "--log_every", "1", "--model", tiny])
+    first, again, other = zip(*common.run_on_workers(_train_each, 2, runs, args, timeout_seconds=100))
+    assert [r["train_curve"] for r in first] == [r["train_curve"] for r in again]
+    assert first[0]["eval_loss"] == again[0]["eval_loss"] != other[0]["eval_loss"]
+    assert first[0]["train_curve"] != first[1]["train_curve"]  # the two workers read different shards
+    assert first[0]["train_curve"][0] != other[0]["train_curve"][0]

@@ -19,6 +19,7 @@ from hf_diloco.job.data import (
     load_text_dataset,
     set_model_max_length,
     split_files,
+    split_seed,
     stdlib_corpus_files,
     tokenize_and_group,
     tokenizer_fingerprint,
@@ -392,3 +393,44 @@ def test_dataset_fingerprint_follows_the_blocks(tokenizer):
     changed["input_ids"][0] = [0] * 7
     assert dataset_fingerprint(blocks) != dataset_fingerprint(Dataset.from_dict(changed))
     assert dataset_fingerprint(blocks.select([])) == dataset_fingerprint(blocks.select([]))
+
+
+def test_split_seed_is_the_sections_own_else_data_seed_else_seed():
+    assert split_seed({"seed": 5}, 42, 7)["seed"] == 5
+    assert split_seed({"source": "stdlib"}, 42, 7) == {"source": "stdlib", "seed": 7}
+    assert split_seed(None, 42)["seed"] == 42
+
+
+def test_the_main_jobs_seed_sets_the_held_out_files_the_order_and_the_init(tmp_path):
+    """`hf-diloco pretrain --seed N` (the Trainer's seed): the held-out files, the Trainer's batch order and the
+    initialization follow it; the same seed repeats them; `--data_seed` sets the data alone (HF's meaning)."""
+    import yaml
+
+    from hf_diloco.cli import pretrain
+    from hf_diloco.cli.pretrain_arguments import parse_command_line
+    from hf_diloco.job.config_file import shipped_config_text
+
+    config = yaml.safe_load(shipped_config_text("tiny_diloco"))
+    config["data"].update(max_train_samples=12, max_eval_samples=2, block_size=64)
+    config["tokenizer"]["vocab_size"] = 512
+    config["model"]["config"].update(hidden_size=32, num_hidden_layers=2, intermediate_size=64)
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(config))
+
+    def start(name: str, *flags: str) -> tuple[list, list, torch.Tensor]:
+        """What a start of the job reads first: a held-out block, the first two batches, a weight of the model."""
+        command = parse_command_line(
+            ["--config", str(tmp_path / "job.yaml"), "--use_cpu", "--output_dir", str(tmp_path / name), *flags]
+        )
+        config, args = command.config, command.args
+        tokenizer, blocks = pretrain.build_datasets(config, args, pretrain.JobGlobalPoints(None, 60.0, "bound"))
+        ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        model = build_model(config.section("model"), len(tokenizer), *ids, seed=args.seed)
+        loader = pretrain.build_trainer(config, args, model, tokenizer, blocks).get_train_dataloader()
+        batches = [batch["input_ids"].tolist() for _, batch in zip(range(2), loader)]
+        return blocks["validation"]["input_ids"][0], batches, next(model.parameters()).detach().clone()
+
+    one, again, other = start("a", "--seed", "1"), start("b", "--seed", "1"), start("c", "--seed", "2")
+    assert one[:2] == again[:2] and torch.equal(one[2], again[2])
+    assert one[0] != other[0] and one[1] != other[1] and not torch.equal(one[2], other[2])
+    data_of_one = start("d", "--seed", "2", "--data_seed", "1")
+    assert data_of_one[:2] == one[:2] and torch.equal(data_of_one[2], other[2])

@@ -122,7 +122,6 @@ def plan_yaml(plan: Plan, model: dict[str, Any], vocab_size: int, output_dir: st
         "  source: stdlib",
         "  validation_split_percentage: 5",
         f"  block_size: {plan.block_size}",
-        "  seed: 0",
         "",
         "training:",
         *_entries(training),

@@ -252,12 +252,13 @@ def build_trainer(config: LoadedConfig, args: Any, model: Any, tokenizer: Any, b
 
 def build_datasets(config: LoadedConfig, args: Any, points: JobGlobalPoints):
     """
-    Load the corpus, fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, kept
+    Load the corpus (its held-out split and subsets drawn from `data.seed`, else the Trainer's `data_seed`, else its
+    `seed`), fix the run's tokenizer (trained once into `output_dir/tokenizer` by the main process, kept
     once training starts, then loaded from there at every start) and pack the text into blocks.
     """
-    from ..job.data import load_or_train_tokenizer, load_text_dataset, tokenize_and_group
+    from ..job.data import load_or_train_tokenizer, load_text_dataset, split_seed, tokenize_and_group
 
-    data_spec = config.section("data")
+    data_spec = split_seed(config.section("data"), args.seed, args.data_seed)
     raw = load_text_dataset(data_spec)
     with points.main_process_first(args.process_index == 0, "the run's tokenizer (trained or loaded by rank 0 first)"):
         tokenizer = load_or_train_tokenizer(

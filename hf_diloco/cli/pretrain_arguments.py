@@ -62,7 +62,7 @@ SECTION_FLAGS: dict[str, dict[str, str]] = {
         "text_column": "The column holding the text (default text).",
         "max_train_samples": "Keep a seeded random subset of this many training rows (stdlib: files).",
         "max_eval_samples": "Keep a seeded random subset of this many evaluation rows (stdlib: files).",
-        "seed": "Seed of the held-out split and of the subsets (default 0).",
+        "seed": "Seed of the held-out split and of the subsets (default: --data_seed, else --seed).",
         "block_size": "Tokens per packed training sequence (at most the model's positions).",
         "num_proc": "Processes for tokenization (datasets.map).",
         "group_batch_size": "Documents concatenated before cutting them into blocks (default 1000).",

@@ -56,6 +56,7 @@ __all__ = [
     "load_or_train_tokenizer",
     "load_text_dataset",
     "set_model_max_length",
+    "split_seed",
     "split_files",
     "stdlib_corpus_files",
     "tokenize_and_group",
@@ -256,7 +257,8 @@ def load_text_dataset(spec: Mapping[str, Any] | None = None) -> DatasetDict:
               there is no evaluation split (default 5).
             - `text_column`: the column holding the text (default `"text"`).
             - `max_train_samples`, `max_eval_samples`: keep a seeded random subset of this many rows (stdlib: files).
-            - `seed`: seed of the held-out split and of the subsets (default 0).
+            - `seed`: seed of the held-out split and of the subsets (default 0; the main job's default is the
+              Trainer's `data_seed`, else its `seed`: `split_seed`).
             - `block_size`, `num_proc`, `group_batch_size`: read by the caller for `tokenize_and_group`.
 
     Returns:
@@ -281,6 +283,27 @@ def load_text_dataset(spec: Mapping[str, Any] | None = None) -> DatasetDict:
         if len(dataset) == 0:
             raise ValueError(f"The {split} split of the data is empty; check the `data:` section of the config.")
     return raw
+
+
+def split_seed(spec: Mapping[str, Any] | None, seed: int, data_seed: int | None = None) -> dict[str, Any]:
+    """
+    The `data:` section with the seed of its held-out split and subsets decided: its own `seed` when it sets one,
+    else the Trainer's `data_seed` when set, else the Trainer's `seed`. The Trainer's sampler draws the data order
+    (and so each worker's shard) from the same `data_seed`-else-`seed`, so one `--seed` changes every random
+    choice of a run: initialization, held-out files, subsets, order and shards.
+
+    Args:
+        spec (`Mapping[str, Any]`, *optional*): the `data:` section.
+        seed (`int`): `TrainingArguments.seed`.
+        data_seed (`int`, *optional*): `TrainingArguments.data_seed`.
+
+    Returns:
+        `dict[str, Any]`: a copy of the section with `seed` set.
+    """
+    spec = dict(spec or {})
+    if spec.get("seed") is None:
+        spec["seed"] = seed if data_seed is None else data_seed
+    return spec
 
 
 def tokenize_and_group(
