@@ -34,7 +34,8 @@ def readme_site_commands() -> list[list[str]]:
     text = (ROOT / "README.md").read_text()
     section = text[text.index("### Sites that cannot reach each other") :]
     block = section[section.index("```bash") + len("```bash") : section.index("```", section.index("```bash") + 7)]
-    commands = [shlex.split(line.rstrip(" &")) for line in block.splitlines() if line.startswith("hf-diloco pretrain")]
+    lines = [line.split("#")[0].strip().rstrip("&").strip() for line in block.splitlines()]
+    commands = [shlex.split(line) for line in lines if line.startswith("hf-diloco pretrain")]
     assert len(commands) == 3 and all("--site" in command for command in commands), block
     return commands
 
@@ -50,7 +51,7 @@ def _run_sites(tmp_path: Path, store_url: str, env: dict) -> dict[str, Path]:
     processes, outputs = {}, {}
     for command in readme_site_commands():
         site = command[command.index("--site") + 1]
-        output = tmp_path / command[command.index("--output_dir") + 1]
+        output = tmp_path / "outputs" / f"sites_store_{site}"  # the default folder of a site
         argv = [str(HF_DILOCO), *command[1:], *SHORT, "--store_url", store_url]
         log = (tmp_path / f"{site}.log").open("wb")
         processes[site] = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -9,7 +9,7 @@
   `--model.config.FIELD` one field of the model's config (`--model.config.hidden_size 64`). Values are read as YAML
   (`--data.data_files '{train: corpus.txt}'`).
 - `output_dir`, when neither the config nor the command line sets it: `outputs/CONFIG` for one process,
-  `outputs/CONFIG_<N>proc` for N (`default_output_dir`).
+  `outputs/CONFIG_<N>proc` for N, with `_SITE` after it for a site (`default_output_dir`).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def parse_command_line(argv: Sequence[str], environ: Mapping[str, str] | None = 
     overrides.update(model_config)
     namespace.pop("config")
     if namespace.get("output_dir") is None:
-        namespace["output_dir"] = default_output_dir(known.config, environ)
+        namespace["output_dir"] = default_output_dir(known.config, environ, namespace.get("site") or "")
     if overrides:
         config = apply_overrides(config, overrides)
     if trainer == "diloco":
@@ -137,16 +137,18 @@ def _refuse_instead_of_exiting(parser: argparse.ArgumentParser) -> None:
     parser.error = refuse
 
 
-def default_output_dir(config: str, environ: Mapping[str, str]) -> str:
+def default_output_dir(config: str, environ: Mapping[str, str], site: str = "") -> str:
     """
     The output folder of a run whose config and command line set none: `outputs/CONFIG` (the config's name, or its
     file's name without `.yaml`) for one process, `outputs/CONFIG_<N>proc` for the N processes a launcher started
-    (`WORLD_SIZE`). A checkpoint resumes only with the process count that wrote it, so a run of the same config on
-    another count trains in a folder of its own, and the same command run again finds its own run there.
+    (`WORLD_SIZE`), and `_SITE` after it for a site of a job of sites (`--site`: several sites may run on one
+    machine). A checkpoint resumes only with the process count that wrote it, so a run of the same config on another
+    count trains in a folder of its own, and the same command run again finds its own run there.
     """
     name = Path(config).name.removesuffix(".yaml").removesuffix(".yml")
     processes = int(environ.get("WORLD_SIZE", "1") or 1)
-    return f"outputs/{name}" if processes == 1 else f"outputs/{name}_{processes}proc"
+    folder = f"outputs/{name}" if processes == 1 else f"outputs/{name}_{processes}proc"
+    return f"{folder}_{site}" if site else folder
 
 
 def build_parser(config: LoadedConfig, trainer: str, environ: Mapping[str, str] | None = None):
