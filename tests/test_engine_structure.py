@@ -252,11 +252,12 @@ def test_the_engine_s_old_module_paths_still_import_the_same_modules():
 
     for old, new in MOVED.items():
         assert importlib.import_module(f"hf_diloco.core.{old}") is importlib.import_module(f"hf_diloco.core.{new}")
+    from hf_diloco.core.stats import register_round_observer  # noqa: F401
+
     from hf_diloco.core.exchange import OuterExchange, deflate_payload
     from hf_diloco.core.exchange.exchange import OuterExchange as moved
     from hf_diloco.core.exchange.payloads import deflate_payload as moved_deflate
     from hf_diloco.core.membership import Membership, RoundView  # noqa: F401
     from hf_diloco.core.rounds import DivergenceGuard, finite_and_scale  # noqa: F401
-    from hf_diloco.core.stats import register_round_observer  # noqa: F401
 
     assert OuterExchange is moved and deflate_payload is moved_deflate
