@@ -1,7 +1,7 @@
 """The main job through a store, as the README's "Sites that cannot reach each other" gives it: its three commands,
-run together (shortened by flags), through the config's folder store and through moto's S3 server reached as a
-Hugging Face bucket (hf://buckets/..., its S3 gateway at AWS_ENDPOINT_URL): the three sites save the same model, bit
-for bit, and their cards say how many sites contributed per round. A store cut off longer than its bound stops the
+run together (shortened by flags) through the config's folder store: the three sites save the same model, bit for
+bit, and their cards say how many sites contributed per round. Sites of other shapes (a torchrun of 2 pipeline
+stages beside one process) through moto's S3 server reached as a Hugging Face bucket do the same. A store cut off longer than its bound stops the
 site with one message naming it, its checkpoint saved, and the same command resumes it once the store answers; cut
 off for less, the run goes on."""
 
@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.store_common import Blackout, s3_server
+from tests.store_common import Blackout, free_port, s3_server
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_DILOCO = Path(sys.executable).parent / "hf-diloco"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
 SHORT = ["--max_steps", "12", "--inner_steps", "4", "--eval_strategy", "no", "--save_strategy", "no",
          "--logging_steps", "4", "--per_device_train_batch_size", "2", "--warmup_steps", "0",
          "--data.max_train_samples", "12", "--data.max_eval_samples", "2", "--data.block_size", "64",
@@ -88,11 +89,31 @@ def test_the_readme_s_three_sites_train_one_model_through_a_folder_store(tmp_pat
 
 
 @pytest.mark.timeout(600)
-def test_the_readme_s_three_sites_train_one_model_through_an_s3_server_as_a_hugging_face_bucket(tmp_path):
+def test_a_site_of_two_pipeline_stages_and_a_site_of_one_process_train_one_model_through_a_hugging_face_bucket(
+    tmp_path,
+):
+    """Sites of different shapes through moto's S3 server reached as a Hugging Face bucket (hf://buckets/..., the
+    gateway at AWS_ENDPOINT_URL): one `hf-diloco pretrain` process beside a torchrun of 2 pipeline stages; each stage
+    writes and reads its own parameters' ranges, and both save the same model, bit for bit."""
     with s3_server("job-bucket") as env:
         store = "hf://buckets/my-org/job-bucket/job-1"
-        outputs = _run_sites(tmp_path, store, _env(env))
-    _check_one_model(tmp_path, outputs, store)
+        common = ["pretrain", "--config", "sites_store", *SHORT, "--store_url", store, "--quorum", "2"]
+        one = [str(HF_DILOCO), *common, "--site", "one"]
+        two = [str(TORCHRUN), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "hf_diloco", *common,
+               "--site", "two", "--use_cpu", "--pipeline_stages", "2", "--pipeline_microbatches", "2"]  # fmt: skip
+        processes = {}
+        for site, argv in (("one", one), ("two", two)):
+            log = (tmp_path / f"{site}.log").open("wb")
+            processes[site] = subprocess.Popen(argv, cwd=tmp_path, env=_env(env), stdout=log, stderr=subprocess.STDOUT)
+        for site, process in processes.items():
+            process.wait(400)
+            assert process.returncode == 0, (tmp_path / f"{site}.log").read_text()[-3000:]
+    outputs = {"one": tmp_path / "outputs" / "sites_store_one", "two": tmp_path / "outputs" / "sites_store_2proc_two"}
+    models = {site: load_file(str(output / "model.safetensors")) for site, output in outputs.items()}
+    assert models["one"].keys() == models["two"].keys()
+    assert all(models["one"][k].equal(models["two"][k]) for k in models["one"])
+    card = (outputs["two"] / "README.md").read_text()
+    assert re.search(rf"sites per round 2 \(mean 2\) over \d+ rounds through the store {store}", card), card
 
 
 @pytest.mark.timeout(600)
