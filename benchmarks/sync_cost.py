@@ -277,20 +277,21 @@ def package_core() -> SimpleNamespace:
     )  # fmt: skip
 
 
-def core_at(revision: str) -> ModuleType:
+def core_at(revision: str) -> SimpleNamespace:
     """`hf_diloco/core` of a git revision, imported as its own package `core_at_REV` (it imports only torch, numpy
-    and yaml, and itself by relative imports), with the modules `sync_cost` uses loaded."""
+    and yaml, and itself by relative imports), with the modules `sync_cost` uses under their flat names (a revision
+    whose core is in rooms lists where each went in its `MOVED`)."""
     names = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{revision}:hf_diloco/core"], capture_output=True, text=True, check=True
+        ["git", "ls-tree", "-r", "--name-only", f"{revision}:hf_diloco/core"], capture_output=True, text=True, check=True
     ).stdout.split()
     name = "core_at_" + "".join(c if c.isalnum() else "_" for c in revision)
     folder = Path(tempfile.mkdtemp()) / name
-    folder.mkdir()
     for file in names:
         if file.endswith(".py"):
             source = subprocess.run(
                 ["git", "show", f"{revision}:hf_diloco/core/{file}"], capture_output=True, text=True, check=True
             ).stdout
+            (folder / file).parent.mkdir(parents=True, exist_ok=True)
             (folder / file).write_text(source)
     spec = importlib.util.spec_from_file_location(
         name, folder / "__init__.py", submodule_search_locations=[str(folder)]
@@ -298,10 +299,13 @@ def core_at(revision: str) -> ModuleType:
     package = importlib.util.module_from_spec(spec)
     sys.modules[name] = package
     spec.loader.exec_module(package)
+    moved = {**getattr(package, "MOVED", {}), "rounds": "rounds.rounds" if (folder / "rounds").is_dir() else "rounds"}
+    flat = SimpleNamespace()
     for module in ("codecs", "fragment", "fragments", "shard", "topology", "buffers", "rounds"):
-        if f"{module}.py" in names:
-            importlib.import_module(f"{name}.{module}")
-    return package
+        path = moved.get(module, module)
+        if (folder / (path.replace(".", "/") + ".py")).exists():
+            setattr(flat, module, importlib.import_module(f"{name}.{path}"))
+    return flat
 
 
 # ----------------------------------------------------------------------------------------------- reporting
