@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.store_common import Blackout, free_port, s3_server
+from tests.store_common import Blackout, free_port, s3_server, wait_all
 
 ROOT = Path(__file__).resolve().parent.parent
 HF_DILOCO = Path(sys.executable).parent / "hf-diloco"
@@ -57,15 +57,7 @@ def _run_sites(tmp_path: Path, store_url: str, env: dict) -> dict[str, Path]:
         log = (tmp_path / f"{site}.log").open("wb")
         processes[site] = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
         outputs[site] = output
-    deadline = time.monotonic() + 400
-    for site, process in processes.items():
-        try:
-            process.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for other in processes.values():
-                other.kill()
-            raise AssertionError((tmp_path / f"{site}.log").read_text()[-3000:]) from None
-        assert process.returncode == 0, (tmp_path / f"{site}.log").read_text()[-3000:]
+    wait_all(processes, tmp_path, timeout=400)
     return outputs
 
 
@@ -105,9 +97,7 @@ def test_a_site_of_two_pipeline_stages_and_a_site_of_one_process_train_one_model
         for site, argv in (("one", one), ("two", two)):
             log = (tmp_path / f"{site}.log").open("wb")
             processes[site] = subprocess.Popen(argv, cwd=tmp_path, env=_env(env), stdout=log, stderr=subprocess.STDOUT)
-        for site, process in processes.items():
-            process.wait(400)
-            assert process.returncode == 0, (tmp_path / f"{site}.log").read_text()[-3000:]
+        wait_all(processes, tmp_path, timeout=400)
     outputs = {"one": tmp_path / "outputs" / "sites_store_one", "two": tmp_path / "outputs" / "sites_store_2proc_two"}
     models = {site: load_file(str(output / "model.safetensors")) for site, output in outputs.items()}
     assert models["one"].keys() == models["two"].keys()

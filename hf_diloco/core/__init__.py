@@ -40,6 +40,21 @@ MOVED = {
 }  # fmt: skip
 
 
+def names_of_modules(package: str, modules: tuple[str, ...]):
+    """A package's `__getattr__` (PEP 562) that finds a name in its `modules`, imported on first use: what a room
+    whose name was once a module's (`exchange`, `rounds`, `membership`) answers for that module's names."""
+    import importlib
+
+    def __getattr__(name: str):
+        for module in modules:
+            found = getattr(importlib.import_module(f"{package}.{module}"), name, None)
+            if found is not None:
+                return found
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def _install_moved_paths() -> None:
     import importlib
     import importlib.abc

@@ -6,18 +6,7 @@ pieces (`pipelined.py`), entropy coding of payloads (`payloads.py`), and low ran
 Floor 3: may import `layout`, `compression` and `settings`.
 """
 
+from .. import names_of_modules  # noqa: E402
 
-def __getattr__(name: str):
-    # `hf_diloco.core.exchange` was once a module of its own: its names stay importable from here, loaded on first use.
-    import importlib
-
-    for module in (
-        "exchange",
-        "pending",
-        "transport",
-        "payloads",
-    ):
-        found = getattr(importlib.import_module(f"{__name__}.{module}"), name, None)
-        if found is not None:
-            return found
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `hf_diloco.core.exchange` was once a module of its own: its names stay importable from here, loaded on first use.
+__getattr__ = names_of_modules(__name__, ("exchange", "pending", "transport", "payloads"))

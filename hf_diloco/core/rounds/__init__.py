@@ -5,13 +5,7 @@ round with its guards and observers (`rounds.py`), when a worker's round ends (`
 Floor 4: may import `layout`, `compression`, `settings` and `exchange`.
 """
 
+from .. import names_of_modules  # noqa: E402
 
-def __getattr__(name: str):
-    # `hf_diloco.core.rounds` was once a module of its own: its names stay importable from here, loaded on first use.
-    import importlib
-
-    for module in ("rounds",):
-        found = getattr(importlib.import_module(f"{__name__}.{module}"), name, None)
-        if found is not None:
-            return found
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# `hf_diloco.core.rounds` was once a module of its own: its names stay importable from here, loaded on first use.
+__getattr__ = names_of_modules(__name__, ("rounds",))

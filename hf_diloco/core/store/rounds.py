@@ -92,14 +92,6 @@ class StoreLog:
 
     rounds: list[dict] = field(default_factory=list)
 
-    def bytes_per_round(self) -> int:
-        """The payload bytes this rank writes in one round of every fragment (its shares, encoded)."""
-        codec = self.engine.exchange.codec
-        return sum(
-            codec.encoded_nbytes(padded_numel(fragment.theta_g.numel(), codec.align))
-            for fragment in self.engine.fragments
-        )
-
     def summary(self) -> dict:
         sites = [entry["sites"] for entry in self.rounds if not entry["final"]]
         return {
