@@ -61,9 +61,17 @@ def figures_table() -> str:
     return "\n".join(rows)
 
 
-def include(match: re.Match) -> str:
-    text = (ROOT / match.group(1)).read_text()
-    return text.split("\n", 1)[1] if text.startswith("# ") else text
+def include(match: re.Match, page: Path) -> str:
+    """The file's text without its title, its relative links rewritten from its folder to the including page's."""
+    included = ROOT / match.group(1)
+    text = included.read_text()
+    text = text.split("\n", 1)[1] if text.startswith("# ") else text
+
+    def rebase(link: re.Match) -> str:
+        target = os.path.relpath((included.parent / link.group(1)).resolve(), page.parent)
+        return f"]({target}{link.group(2) or ''})"
+
+    return LINK.sub(rebase, text)
 
 
 def substitute_figure(match: re.Match, known: dict[str, dict], page: str) -> str:
@@ -87,7 +95,7 @@ def repoint_links(markdown: str, source: Path) -> str:
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     source = Path(page.file.abs_src_path)
-    markdown = INCLUDE.sub(include, markdown)
+    markdown = INCLUDE.sub(lambda match: include(match, source), markdown)
     if "<!-- diloco-fields -->" in markdown:
         markdown = markdown.replace("<!-- diloco-fields -->", fields_table())
     if "<!-- api-reference -->" in markdown:
