@@ -478,12 +478,12 @@ def test_checkpoint_of_another_process_count_is_refused_naming_the_ways_out(two_
 
 
 # The README's commands shortened: the same commands and configs, a smaller model, data and schedule (one round of
-# H = 8: the streaming config's 4 fragments and sync_delay 1 need H/P > 1).
+# H = 8 and 4 blocks: the streaming config's 4 fragments need a block each, and sync_delay 1 needs H/P > 1).
 SHORT_RUN = [
     "--max_steps", "8", "--eval_steps", "4", "--save_steps", "4", "--logging_steps", "1",
     "--warmup_steps", "0", "--per_device_train_batch_size", "2", "--data.max_train_samples", "12",
     "--data.max_eval_samples", "2", "--data.block_size", "64", "--tokenizer.vocab_size", "512",
-    "--model.config.hidden_size", "32", "--model.config.num_hidden_layers", "2", "--model.config.intermediate_size", "64",
+    "--model.config.hidden_size", "32", "--model.config.num_hidden_layers", "4", "--model.config.intermediate_size", "64",
 ]  # fmt: skip
 SHORT_DILOCO = ["--inner_steps", "8"]  # a DiLoCo flag: refused with trainer: ddp
 
@@ -533,7 +533,8 @@ def test_the_readme_commands_after_make_run_each_train_in_a_folder_of_their_own(
         assert result.returncode == 0, result.stderr[-4000:]
         assert "already holds a finished run" not in result.stderr, result.stderr[-3000:]
         folder = json.loads(result.stdout[result.stdout.index("{\n") :])["output_dir"]
-        assert (tmp_path / folder / "model.safetensors").is_file() and (tmp_path / folder / "README.md").is_file()
+        assert (tmp_path / folder / "model.safetensors").is_file()
+        assert (tmp_path / folder / "README.md").is_file() or "tiny_ddp" in words  # the DiLoCo model card
         folders.append(folder)
     assert folders == [
         "outputs/make_run/tiny_diloco", "outputs/tiny_ddp", "outputs/tiny_diloco_2proc", "outputs/streaming_diloco_2proc"
