@@ -17,19 +17,11 @@ from pathlib import Path
 from urllib.parse import urldefrag, urlparse
 
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
-
-if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-    pytest.fail(
-        "tests/test_docs_site.py needs Debian's chromium and chromium-driver: apt-get install -y chromium chromium-driver "
-        "(.ci/run installs them)",
-        pytrace=False,
-    )
-
-from selenium import webdriver  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 
 # What a page reports about itself, read in the browser once it has loaded.
 PAGE_STATE = """
@@ -75,6 +67,12 @@ def server(site: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory) -> Iterator[webdriver.Chrome]:
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.fail(
+            "the site's browser test needs Debian's chromium and chromium-driver: apt-get install -y chromium "
+            "chromium-driver (.ci/run installs them)",
+            pytrace=False,
+        )
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
