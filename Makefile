@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= tiny_diloco
 
-.PHONY: setup run run-multi test test-fast lint bench clean
+.PHONY: setup run run-multi test test-fast lint bench docs docs-build figures clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(BIN)/activate:
 
 # Reinstalled whenever pyproject.toml or the tested releases change (new dependencies, the hf-diloco command).
 $(VENV)/.installed: pyproject.toml constraints.txt $(BIN)/activate
-	$(BIN)/pip install -e ".[dev,plots,trl,elastic,peft,store]" -c constraints.txt
+	$(BIN)/pip install -e ".[dev,plots,trl,elastic,peft,store,docs]" -c constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed
@@ -38,8 +38,8 @@ test-fast: setup
 	$(BIN)/python -m pytest tests -m "not slow and not elastic"
 
 lint: setup
-	$(BIN)/ruff check hf_diloco scripts benchmarks tests
-	$(BIN)/ruff format --check hf_diloco scripts benchmarks tests
+	$(BIN)/ruff check hf_diloco scripts benchmarks tests docs/hooks.py
+	$(BIN)/ruff format --check hf_diloco scripts benchmarks tests docs/hooks.py
 
 # A quick smoke run of the benchmark harness (a few minutes on 2 cores; results under outputs/bench/, not the stored
 # ones). BENCHMARKS.md has the command of every stored result; `python -m benchmarks.wan --quick` needs root.
@@ -51,5 +51,19 @@ bench: setup
 	$(BIN)/python -m benchmarks.entropy_coding --numel 4000000 --repeats 1
 	$(BIN)/python -m benchmarks.overhead --steps 14 --inner_steps 4 --repeats 1 --out outputs/bench/overhead.json
 
+# The documentation site (mkdocs.yml): `docs` builds it and serves it at http://127.0.0.1:8000, rebuilding on every
+# change; `docs-build` builds it into site/ with warnings as errors, as CI does (tests/test_docs_site.py).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --strict
+
+docs-build: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The named figures the README and the site quote (docs/figures.json) and the site's figures (docs/img/), from the
+# stored results: rerun after new results land in benchmarks/results/.
+figures: setup
+	$(BIN)/python -m benchmarks.figures
+	$(BIN)/python scripts/docs_figures.py
+
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) outputs site

@@ -19,6 +19,7 @@ SLOW_MODULES = {
     "test_buffers",
     "test_clear_answers",
     "test_cli",
+    "test_docs_site",
     "test_dropin",
     "test_engine_faults",
     "test_faults",

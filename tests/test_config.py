@@ -181,14 +181,25 @@ def test_rank_layout():
         RankLayout(world_size=6, pipeline_stages=2, data_parallel=2)
 
 
-def test_readme_config_reference_is_current(capsys):
-    """README's table is `hf-diloco configs --fields`; regenerate it when a field changes."""
+def test_the_configuration_reference_is_generated_from_the_dataclass(capsys):
+    """The docs' configuration reference holds no hand-written field table: the site's build puts there the table
+    `hf-diloco configs --fields` prints, generated from `DiLoCoConfig` and its `help` metadata (docs/hooks.py)."""
+    import importlib.util
+    from types import SimpleNamespace
+
     from hf_diloco.cli import configs
 
     assert configs.main(["--fields"]) == 0
     table = capsys.readouterr().out.strip()
     assert table == configs.diloco_fields_table() and "| `inner_steps` | `100` |" in table
-    assert table in (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    page = Path(__file__).resolve().parent.parent / "docs" / "reference" / "configuration.md"
+    source = page.read_text()
+    assert "<!-- diloco-fields -->" in source and "| `inner_steps` |" not in source
+    spec = importlib.util.spec_from_file_location("docs_hooks", page.parents[1] / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    page_object = SimpleNamespace(file=SimpleNamespace(abs_src_path=str(page), src_path="reference/configuration.md"))
+    assert table in hooks.on_page_markdown(source, page_object, None, None)
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""README.md's elastic block run as written on two sites against the `torchft_lighthouse` command the README
-starts: both train, save the global model and its card, and end with the same θg; the membership summary counts what
-happened and the card states it. Lost with its Lighthouse after a checkpoint, the job resumes from it."""
+"""The elastic block of docs/how-to/elastic.md run as written on two sites against the `torchft_lighthouse` command the
+page starts: both train, save the global model and its card, and end with the same θg; the membership summary counts
+what happened and the card states it. Lost with its Lighthouse after a checkpoint, the job resumes from it."""
 
 from __future__ import annotations
 

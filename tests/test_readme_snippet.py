@@ -1,7 +1,8 @@
-"""README.md's Accelerate block, run as it is written (tests/scripts/readme_snippet.py) on 1 and 2 processes with a
-shuffled DataLoader: it trains, evaluates the global model, and its `diloco/*` metrics reach the TensorBoard tracker;
-on 2 workers the shuffled shards are disjoint without a per-epoch collective. Launches whose processes are not joined
-(torchrun without ACCELERATE_USE_CPU, a MULTI_CPU accelerate config) are refused with a message."""
+"""The Accelerate block of docs/how-to/accelerate.md, run as it is written (tests/scripts/readme_snippet.py) on 1 and 2
+processes with a shuffled DataLoader: it trains, evaluates the global model, and its `diloco/*` metrics reach the
+TensorBoard tracker; on 2 workers the shuffled shards are disjoint without a per-epoch collective. Launches whose
+processes are not joined (torchrun without ACCELERATE_USE_CPU, a MULTI_CPU accelerate config) are refused with a
+message."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""The main job through a store, as the README's "Sites that cannot reach each other" gives it: its three commands,
-run together (shortened by flags) through the config's folder store: the three sites save the same model, bit for
-bit, and their cards say how many sites contributed per round. Sites of other shapes (a torchrun of 2 pipeline
-stages beside one process) through moto's S3 server reached as a Hugging Face bucket do the same. A store cut off longer than its bound stops the
-site with one message naming it, its checkpoint saved, and the same command resumes it once the store answers; cut
-off for less, the run goes on."""
+"""The main job through a store, as docs/how-to/store.md ("Sites that cannot reach each other") gives it: its three
+commands, run together (shortened by flags) through the config's folder store: the three sites save the same model,
+bit for bit, and their cards say how many sites contributed per round. Sites of other shapes (a torchrun of 2
+pipeline stages beside one process) through moto's S3 server reached as a Hugging Face bucket do the same. A store
+cut off longer than its bound stops the site with one message naming it, its checkpoint saved, and the same command
+resumes it once the store answers; cut off for less, the run goes on."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ SHORT = ["--max_steps", "12", "--inner_steps", "4", "--eval_strategy", "no", "--
 
 
 def readme_site_commands() -> list[list[str]]:
-    """The README's commands that start the three sites, in order."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("### Sites that cannot reach each other") :]
+    """The page's commands that start the three sites, in order."""
+    text = (ROOT / "docs" / "how-to" / "store.md").read_text()
+    section = text[text.index("# Sites that cannot reach each other") :]
     block = section[section.index("```bash") + len("```bash") : section.index("```", section.index("```bash") + 7)]
     lines = [line.split("#")[0].strip().rstrip("&").strip() for line in block.splitlines()]
     commands = [shlex.split(line) for line in lines if line.startswith("hf-diloco pretrain")]

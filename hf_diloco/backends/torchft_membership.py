@@ -86,9 +86,9 @@ class TorchftMembership:
         host: the name or address the other workers reach this one at (its group's rendezvous store is announced
             under it); by default this machine's host name, which must resolve to a reachable address at every site.
             The worker's store, checkpoint server and Manager listen on this address only (not on every interface).
-        site_rank, site_size: this process's rank among the site's ranks (its worker's pipeline stages and
-            data-parallel ranks, in the topology's order), and their number (every site
-            of the job must have the same; rank k of a site exchanges with rank k of the others).
+        site_rank: this process's rank among the site's ranks (its worker's pipeline stages and data-parallel
+            ranks, in the topology's order); rank k of a site exchanges with rank k of the others.
+        site_size: the number of the site's ranks (every site of the job must have the same).
         site_group: a gloo group of the site's ranks (its rank 0 first), where rank 0 hands the others the site's
             store and the ranks agree whether to ask for a quorum again; None for a site of one process.
         secret: the job's shared secret (the same on every worker; never logged or saved): the state this worker

@@ -1,5 +1,6 @@
 """`hf-diloco configs [NAME]`: list the configs shipped with the package, or print one (to start your own from);
-`hf-diloco configs --fields` prints the table of every DiLoCo field (README's configuration reference)."""
+`hf-diloco configs --fields` prints the table of every DiLoCo field (the documentation's configuration reference,
+docs/reference/configuration.md, is built with it)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def diloco_fields_table() -> str:
-    """The markdown table of the `DiLoCoConfig` fields (name, default, meaning) that README.md's reference holds."""
+    """The markdown table of the `DiLoCoConfig` fields (name, default, meaning) of the configuration reference."""
     rows = ["| field | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(DiLoCoConfig):
         choices = f.metadata.get("choices")

@@ -1,4 +1,4 @@
-"""Run README.md's elastic block (the python fence after the `elastic-snippet` marker) exactly as it is written, as
+"""Run the elastic block of docs/how-to/elastic.md (the python fence after the `elastic-snippet` marker) exactly as it is written, as
 one site of a job, with a tiny random Llama and SGD, random token batches per site; then save θg and the membership
 summary for tests/test_readme_elastic.py.
 
@@ -15,7 +15,7 @@ import torch
 
 from tests.engine_common import batch_for, tiny_model
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "elastic.md"
 MARKER = "<!-- elastic-snippet -->"
 
 

@@ -1,4 +1,4 @@
-"""Run README.md's Accelerate block (the python fence after the `accelerate-snippet` marker) exactly as it is written,
+"""Run the Accelerate block of docs/how-to/accelerate.md (the python fence after the `accelerate-snippet` marker) exactly as it is written,
 with a tiny random Llama as `model` and random token rows as the datasets, in the current folder; then save what
 tests/test_readme_snippet.py checks for this rank to OUT/rank{r}.pt.
 
@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from tests.engine_common import tiny_llama
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "accelerate.md"
 MARKER = "<!-- accelerate-snippet -->"
 VOCAB, SEQ = 64, 16
 

@@ -731,8 +731,9 @@ class DiLoCoConfig:
             path or `"default"`.
 
         Raises:
-            `TypeError`: an argument names no field. `ValueError`: a `DILOCO_*` variable names no field or does not
-            parse as its field's type, or the YAML names no field (each message names the closest valid name).
+            TypeError: an argument names no field.
+            ValueError: a `DILOCO_*` variable names no field or does not parse as its field's type, or the YAML names
+                no field (each message names the closest valid name).
         """
         fields = dataclasses.fields(DiLoCoConfig)
         unknown = set(arguments) - {f.name for f in fields}

@@ -21,9 +21,10 @@ class DiLoCoTrainingArguments(TrainingArguments, DiLoCoSettings, InnerOptimizerS
     [`~transformers.TrainingArguments`] that also take every [`DiLoCoConfig`] field by name, as keyword arguments and
     on the command line through [`~transformers.HfArgumentParser`] (each field is defined once, in `DiLoCoConfig`).
 
+    It takes all of [`~transformers.TrainingArguments`] and all of [`DiLoCoConfig`] (`inner_steps`, `outer_lr`,
+    `outer_momentum`, `num_fragments`, `sync_delay`, `compression`, `data_parallel_per_worker`, ...), and:
+
     Parameters:
-        All of [`~transformers.TrainingArguments`] and all of [`DiLoCoConfig`] (`inner_steps`, `outer_lr`,
-        `outer_momentum`, `num_fragments`, `sync_delay`, `compression`, `data_parallel_per_worker`, ...).
         inner_optimizer (`str`): `adamw` (the Trainer's `optim`) or `muon` (Muon for the block stack's matrices,
             AdamW for the rest: `hf_diloco/integrations/inner_optimizer.py`).
 

@@ -1,0 +1,286 @@
+"""The named figures that README.md and the documentation site quote, each computed from the stored results.
+
+    python -m benchmarks.figures            # writes docs/figures.json from benchmarks/results
+    python -m benchmarks.figures --check    # exit status 1 when docs/figures.json is not what the results give
+
+A page of the site quotes a figure as `{{ name }}` (docs/hooks.py puts its text there at build time); README.md, which
+GitHub shows as written, quotes the same text. tests/test_figures.py fails when docs/figures.json is stale, and when
+README or a page quotes a figure (a number with %, x, a time or a size) that is neither a named figure nor in the
+stored results. After new results land: rerun this module, and the pages follow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+OUT = ROOT / "docs" / "figures.json"
+
+
+@dataclass(frozen=True)
+class Figure:
+    source: str  # the stored files it is computed from, relative to benchmarks/results
+    text: Callable[[], str]
+
+
+@cache
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def paths(pattern: str) -> list[str]:
+    found = sorted(str(Path(path).relative_to(RESULTS)) for path in glob.glob(str(RESULTS / pattern)))
+    if not found:
+        raise FileNotFoundError(f"no stored result matches benchmarks/results/{pattern}")
+    return found
+
+
+# The long regime's seeds (benchmarks.quality --long): DDP per seed from the flagship runs, gaps and bytes ratios.
+def seed_of(run: dict) -> int:
+    words = run["command"].split()
+    return int(words[words.index("--seed") + 1]) if "--seed" in words else 0
+
+
+def bytes_per_token(result: dict) -> float:
+    """Every byte a worker sent, the tail sync of `close()` included, per token it trained."""
+    return (result["bytes_sent"] + result["final_sync_bytes"]) / result["tokens_per_worker"]
+
+
+@cache
+def ddp_by_seed() -> dict[int, dict]:
+    return {
+        seed_of(load(path)): result
+        for path in paths("flagship/*.json")
+        for result in load(path)["results"]
+        if result["method"] == "ddp@2"
+    }
+
+
+def against_ddp(pattern: str, method_prefix: str, seeds: range) -> list[tuple[float, float]]:
+    """(loss gap, x fewer bytes) against DDP of the same seed, for each seed of `seeds`."""
+    found = {}
+    for path in paths(pattern):
+        run = load(path)
+        for result in run["results"]:
+            if result["method"].startswith(method_prefix):
+                ddp = ddp_by_seed()[seed_of(run)]
+                found[seed_of(run)] = (
+                    result["eval_loss"] / ddp["eval_loss"] - 1,
+                    bytes_per_token(ddp) / bytes_per_token(result),
+                )
+    missing = [seed for seed in seeds if seed not in found]
+    if missing:
+        raise ValueError(f"benchmarks/results/{pattern} has no {method_prefix} run of seeds {missing}")
+    return [found[seed] for seed in seeds]
+
+
+def gap(pattern: str, method_prefix: str, seeds: range) -> str:
+    """Mean gap ± standard error over the seeds, in percent: `+0.23% ± 0.33`."""
+    gaps = [g for g, _ in against_ddp(pattern, method_prefix, seeds)]
+    return f"{100 * statistics.fmean(gaps):+.2f}% ± {100 * statistics.stdev(gaps) / len(gaps) ** 0.5:.2f}"
+
+
+def fewer_bytes(pattern: str, method_prefix: str, seeds: range) -> str:
+    ratios = [ratio for _, ratio in against_ddp(pattern, method_prefix, seeds)]
+    low, high = round(min(ratios)), round(max(ratios))
+    return f"{low}x" if low == high else f"{low}-{high}x"
+
+
+SIGN_LINK = ("sparse/sign120lr1.25_seed*.json", "diloco:compression=sign")
+SLOW_LINK = ("flagship/*.json", "diloco_fp4:inner_steps=120")
+
+
+def comm_fewer_bytes(name: str, method: str) -> str:
+    results = {result["method"]: result for result in load(name)["results"]}
+    return f"{results['ddp']['bytes_per_token'] / results[method]['bytes_per_token']:.0f}x"
+
+
+def wan_run(name: str, method: str, rate: float) -> dict:
+    [run] = [run for run in load(name)["runs"] if run["method"] == method and run["rate_mbit"] == rate]
+    return run
+
+
+def scale_ratio(config: str) -> str:
+    return f"{load('scale.json')['configs'][config]['peak_rss_vs_unsharded']:.2f}x"
+
+
+def peers_sync_vs_torchft() -> str:
+    rows = load("peers.json")["rows"]
+    per_gb = {(row["implementation"], row["size"]): row["sync_cpu_s_per_gb"] for row in rows}
+    ratios = [per_gb["hf_diloco", size] / per_gb["torchft", size] for _, size in per_gb if _ == "hf_diloco"]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def fast_site_wait(policy: str, slowdown: float) -> float:
+    runs = load("unequal_sites.json")["runs"]
+    return statistics.fmean(
+        run["fast_wait_fraction"] for run in runs if run["policy"] == policy and run["slowdown"] == slowdown
+    )
+
+
+def outage(name: str, *keys: str) -> float:
+    value = load(f"elastic_outage/{name}")
+    for key in keys:
+        value = value[key]
+    return value
+
+
+def make_time(target: str, condition: str) -> dict:
+    """The stored timing of a make target under a condition (benchmarks/results/make_times.json)."""
+    [run] = [
+        run for run in load("make_times.json")["runs"] if run["target"] == target and run["condition"] == condition
+    ]
+    return run
+
+
+def duration(seconds: float) -> str:
+    """`45 s`, `12 min 5 s`: how a person reads a duration on a clock."""
+    seconds = round(seconds)
+    return f"{seconds} s" if seconds < 60 else f"{seconds // 60} min {seconds % 60} s"
+
+
+PLAN_EXAMPLE = ["--params", "1e9", "--workers", "4", "--gpus_per_site", "8", "--link", "1gbit"]
+
+
+@cache
+def plan_example() -> dict:
+    """`hf-diloco plan` of the documentation's example (a projection from the stored host-CPU and link measurements)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from hf_diloco.cli import plan
+
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()) as printed:
+        plan.main([*PLAN_EXAMPLE, "--json", "--out", f"{folder}/plan.yaml"])
+    return json.loads(printed.getvalue())
+
+
+def plan_option(inner_steps: int) -> dict:
+    [option] = [
+        option
+        for option in plan_example()["tried"]
+        if option["inner_steps"] == inner_steps
+        and option["fragments"] == 1
+        and option["compression"] == "fp4"
+        and not option["entropy_coding"]
+    ]
+    return option
+
+
+def plan_check_ratios() -> list[float]:
+    """Measured utilization over the projection at the run's own step time, per plan (plan_check.md's last column)."""
+    return [row["measured_utilization"] / row["utilization_at_run_step"] for row in load("plan_check.json")["rows"]]
+
+
+FIGURES: dict[str, Figure] = {
+    # Bytes and loss against fp32 DDP, 7.5 tokens per parameter (BENCHMARKS.md, "Loss parity").
+    "sign_link_fewer_bytes": Figure(SIGN_LINK[0], lambda: fewer_bytes(*SIGN_LINK, range(10))),
+    "sign_link_gap_held_out": Figure(SIGN_LINK[0], lambda: gap(*SIGN_LINK, range(5, 10))),
+    "sign_link_gap_ten_seeds": Figure(SIGN_LINK[0], lambda: gap(*SIGN_LINK, range(10))),
+    "slow_link_fewer_bytes": Figure(SLOW_LINK[0], lambda: fewer_bytes(*SLOW_LINK, range(2, 12))),
+    "slow_link_gap_held_out": Figure(SLOW_LINK[0], lambda: gap(*SLOW_LINK, range(7, 12))),
+    "streaming_fp4_fewer_bytes": Figure(
+        "comm_targets.json", lambda: comm_fewer_bytes("comm_targets.json", "streaming_fp4")
+    ),
+    # Speed over an emulated 2.2 Mbit/s link (BENCHMARKS.md, "Speed on slow links").
+    "diloco_x_utilization_2_2mbit": Figure(
+        "wan_regime_2.2/wan_results.json",
+        lambda: f"{100 * wan_run('wan_regime_2.2/wan_results.json', 'diloco_x', 2.2)['utilization']:.0f}%",
+    ),
+    "diloco_x_speedup_2_2mbit": Figure(
+        "wan_regime_2.2/wan_results.json",
+        lambda: f"{load('wan_regime_2.2/wan_results.json')['summary']['regime']['speedup_vs_ddp']['diloco_x']:.0f}x",
+    ),
+    # Host memory and CPU (BENCHMARKS.md, "Memory" and "Overhead").
+    "fsdp_peak_rss_ratio": Figure("scale.json", lambda: scale_ratio("D=2 FSDP")),
+    "pipeline_peak_rss_ratio": Figure("scale.json", lambda: scale_ratio("S=2 pipeline")),
+    "sync_cpu_vs_torchft": Figure("peers.json", peers_sync_vs_torchft),
+    "trainer_cpu_ratio": Figure("overhead.json", lambda: f"{load('overhead.json')['ratio_cpu']:.3f}x"),
+    # One site at half speed (BENCHMARKS.md, "Unequal sites").
+    "balanced_fast_site_wait": Figure("unequal_sites.json", lambda: f"{100 * fast_site_wait('balanced', 2.0):.1f}%"),
+    "steps_fast_site_wait": Figure("unequal_sites.json", lambda: f"{100 * fast_site_wait('steps', 2.0):.0f}%"),
+    # A site lost and restarted (BENCHMARKS.md, "Elastic workers: an outage").
+    "elastic_back_to_training": Figure(
+        "elastic_outage/outage.json", lambda: f"{outage('outage.json', 'elastic', 'lost_seconds_at_kill'):.1f} s"
+    ),
+    "elastic_sites_back_to_training": Figure(
+        "elastic_outage/outage_sites.json",
+        lambda: f"{outage('outage_sites.json', 'elastic', 'lost_seconds_at_kill'):.1f} s",
+    ),
+    "elastic_sites_utilization": Figure(
+        "elastic_outage/outage_sites.json",
+        lambda: f"{100 * outage('outage_sites.json', 'elastic', 'healthy_utilization'):.0f}%",
+    ),
+    "fixed_sites_utilization": Figure(
+        "elastic_outage/outage_sites.json",
+        lambda: f"{100 * outage('outage_sites.json', 'restart', 'healthy_utilization'):.0f}%",
+    ),
+    # The planner: its example's projection (docs, "Plan a run") and two plans run over emulated links.
+    "plan_example_gb_per_sync": Figure(
+        "hf-diloco plan " + " ".join(PLAN_EXAMPLE), lambda: f"{plan_example()['sync']['bytes_per_sync'] / 1e9:.2f} GB"
+    ),
+    "plan_example_utilization": Figure(
+        "hf-diloco plan " + " ".join(PLAN_EXAMPLE), lambda: f"{100 * plan_example()['sync']['utilization']:.1f}%"
+    ),
+    "plan_example_hours": Figure(
+        "hf-diloco plan " + " ".join(PLAN_EXAMPLE), lambda: f"{plan_example()['wall_seconds'] / 3600:.1f} h"
+    ),
+    "plan_example_h200_utilization": Figure(
+        "hf-diloco plan " + " ".join(PLAN_EXAMPLE), lambda: f"{100 * plan_option(200)['utilization']:.1f}%"
+    ),
+    "plan_check_ratios": Figure(
+        "plan_check.json", lambda: " and ".join(f"{ratio:.3f}x" for ratio in plan_check_ratios())
+    ),
+    # The two commands of the README (benchmarks/results/make_times.json).
+    "make_run_quiet": Figure("make_times.json", lambda: duration(make_time("make run", "quiet")["seconds"])),
+    "make_run_loaded": Figure("make_times.json", lambda: duration(make_time("make run", "loaded")["seconds"])),
+    "make_run_loaded_load": Figure(
+        "make_times.json", lambda: f"{make_time('make run', 'loaded')['load_average']:.1f}"
+    ),
+    "make_test_quiet": Figure("make_times.json", lambda: duration(make_time("make test", "quiet")["seconds"])),
+    "make_test_tests": Figure("make_times.json", lambda: f"{make_time('make test', 'quiet')['tests']}"),
+    "make_test_fast_quiet": Figure(
+        "make_times.json", lambda: duration(make_time("make test-fast", "quiet")["seconds"])
+    ),
+    "make_test_fast_tests": Figure("make_times.json", lambda: f"{make_time('make test-fast', 'quiet')['tests']}"),
+    "make_test_fast_loaded": Figure(
+        "make_times.json", lambda: duration(make_time("make test-fast", "loaded")["seconds"])
+    ),
+}
+
+
+def compute() -> dict[str, dict[str, str]]:
+    return {name: {"text": figure.text(), "source": source_of(figure)} for name, figure in FIGURES.items()}
+
+
+def source_of(figure: Figure) -> str:
+    return figure.source if figure.source.startswith("hf-diloco ") else f"benchmarks/results/{figure.source}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only compare docs/figures.json with the results")
+    args = parser.parse_args(argv)
+    text = json.dumps(compute(), indent=2, ensure_ascii=False) + "\n"
+    if args.check:
+        if OUT.read_text() != text:
+            print(f"{OUT.relative_to(ROOT)} is stale: run python -m benchmarks.figures", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(text, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
