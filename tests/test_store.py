@@ -226,3 +226,48 @@ def test_a_store_that_accepts_a_second_create_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="does not refuse a second write of one name"):
         check_create_if_absent(Overwriting(), "probe")
+
+
+def _store_engine(tmp_path, site: str, width: int = 16, **settings):
+    from torch import nn
+
+    from hf_diloco import DiLoCo, DiLoCoConfig
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 4))
+    config = DiLoCoConfig(exchange="store", store_url=f"file://{tmp_path}/job", site=site, **settings)
+    return DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), config, store=open_store(config.store_url))
+
+
+def test_a_site_with_other_settings_or_another_model_is_refused_naming_them_before_it_writes(tmp_path, monkeypatch):
+    """Two sites in turn (real engines on a folder store): the first writes the job; a second with another H, or a
+    wider layer, is refused naming the field or the parameter, and writes nothing into the store."""
+    monkeypatch.setenv("HF_DILOCO_JOB_SECRET", "a secret")
+    _store_engine(tmp_path, "a", inner_steps=4, compression="int8").close()
+    before = sorted(path.name for path in (tmp_path / "job").rglob("*"))
+    with pytest.raises(ValueError, match=r"The store job at file://.*/job runs with other DiLoCo settings \(inner_steps: "
+                                         r"4 in the job, 8 in this site"):  # fmt: skip
+        _store_engine(tmp_path, "b", inner_steps=8, compression="int8")
+    with pytest.raises(ValueError, match=r"trains another model than this site: parameter 0\.bias has shape "
+                                         r"\(16,\) in the job.s model and \(32,\) here"):  # fmt: skip
+        _store_engine(tmp_path, "c", width=32, inner_steps=4, compression="int8")
+    after = sorted(path.name for path in (tmp_path / "job").rglob("*") if not path.name.startswith("create-if-absent"))
+    assert [name for name in after if name not in before and not name.startswith(("b-", "c-"))] == []
+
+
+def test_a_store_job_without_a_secret_or_a_site_is_refused_before_any_work(tmp_path, monkeypatch):
+    from hf_diloco import DiLoCoConfig
+    from hf_diloco.core.diloco import check_store_given
+
+    monkeypatch.delenv("HF_DILOCO_JOB_SECRET", raising=False)
+    monkeypatch.delenv("HF_DILOCO_JOB_SECRET_FILE", raising=False)
+    config = DiLoCoConfig(exchange="store", store_url=f"file://{tmp_path}/job", site="a")
+    with pytest.raises(ValueError, match="exchange 'store' needs the job's secret"):
+        check_store_given(config, None, None, opening=True)
+    check_store_given(DiLoCoConfig(exchange="store", store_url="file:///x", site="a", insecure_no_secret=True), None,
+                      None, opening=True)  # fmt: skip
+    monkeypatch.setenv("HF_DILOCO_JOB_SECRET", "a secret")
+    with pytest.raises(ValueError, match="exchange 'store' needs site: this site's name"):
+        check_store_given(DiLoCoConfig(exchange="store", store_url="file:///x"), None, None, opening=True)
+    with pytest.raises(ValueError, match=r"exchange 'store' needs store_url"):
+        DiLoCoConfig(exchange="store", site="a")
