@@ -3,7 +3,7 @@ folder as the store, the sites as processes (tests/scripts/store_site.py, one pr
 independent replay of a job from the store's bytes alone.
 
 The replay reads every object itself (magic, header length, JSON header, HMAC-SHA256 under the key derived from the
-job's secret, payload), checks each MAC, rebuilds round 0's θ from the first snapshot (safetensors, read by the
+job's secret, payload, decrypted where its header says so), checks each MAC, rebuilds round 0's θ from the first snapshot (safetensors, read by the
 safetensors library), and applies each round's contributions (codec `none`: fp32 bytes) with weights it computes
 from the tokens and staleness (tokens / (1 + staleness), normalised), summed in the manifest's order, then one step
 of `torch.optim.SGD` with the run's outer settings (the final round: θ -= the plain average)."""
@@ -157,6 +157,7 @@ class StoreBytes:
                     name = item["Key"][len(prefix) :].lstrip("/")
                     self.objects[name] = client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()
         self.key = hmac.new(SECRET.encode(), b"hf_diloco store v1", hashlib.sha256).digest()
+        self.cipher = hmac.new(SECRET.encode(), b"hf_diloco store encryption v1", hashlib.sha256).digest()
 
     def opened(self, name: str) -> tuple[dict, bytes]:
         data = self.objects[name]
@@ -167,6 +168,9 @@ class StoreBytes:
         assert hmac.compare_digest(hmac.new(self.key, data[:end], hashlib.sha256).digest(), data[end : end + 32])
         header, payload = json.loads(data[len(magic) + 4 : end]), data[end + 32 :]
         assert hashlib.sha256(payload).hexdigest() == header["payload_sha256"]
+        if header.get("encrypted"):  # XOR the SHAKE-256 keystream of the object's name under the job's key
+            stream = hashlib.shake_256(self.cipher + b"\0" + name.encode()).digest(len(payload))
+            payload = bytes(a ^ b for a, b in zip(payload, stream))
         return header, payload
 
     def named(self, pattern: str) -> list[str]:

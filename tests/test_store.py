@@ -271,3 +271,20 @@ def test_a_store_job_without_a_secret_or_a_site_is_refused_before_any_work(tmp_p
         check_store_given(DiLoCoConfig(exchange="store", store_url="file:///x"), None, None, opening=True)
     with pytest.raises(ValueError, match=r"exchange 'store' needs store_url"):
         DiLoCoConfig(exchange="store", site="a")
+
+
+def test_the_model_s_values_are_encrypted_in_the_store_and_only_the_job_reads_them(tmp_path):
+    """A share's payload in the store is not its values (a reader without the secret learns nothing of them); the
+    job's reader gets them back exactly; without a secret nothing is encrypted (insecure_no_secret)."""
+    store = open_store(f"file://{tmp_path}/job")
+    board = _board(store, "a")
+    values = torch.arange(1024, dtype=torch.float32).numpy().tobytes()
+    sha = board.put_share(0, 0, values, [["w", 0, 1024]], "none")
+    key = StoreNames(KEYS).shard(0, 0, "a", "0" * 12, 0)
+    stored = store.get(key)
+    assert values not in stored and values[:64] not in stored
+    contribution = Contribution("a", "0" * 12, 0, 1.0, "")
+    read = board.fetch_share(0, contribution, 0, {"sha256": sha}, len(values))
+    assert bytes(read) == values
+    insecure = JobKeys(None, insecure=True)
+    assert values in seal(insecure, {"kind": "shard"}, values, encrypt_as=key)

@@ -76,7 +76,7 @@ class RoundBoard:
             "segments": segments,
             "codec": codec,
         }
-        sealed = seal(self.keys, header, payload)
+        sealed = seal(self.keys, header, payload, encrypt_as=key)
         if not self.store.put(key, sealed, create_only=True):
             raise RuntimeError(f"{key} exists already: another process of site {self.site!r} (incarnation "
                                f"{self.incarnation}) wrote it; every site needs a name of its own")  # fmt: skip
@@ -200,8 +200,9 @@ class RoundBoard:
         """Write this rank's share of a snapshot; its description for the snapshot's marker."""
         header = {"kind": "snapshot", "job": self.job_id, "fragment": fragment, "round": round_, "shard": self.shard,
                   "segments": segments}  # fmt: skip
-        sealed = seal(self.keys, header, payload)
-        self.store.put(self.names.snapshot(fragment, round_, self.site, self.incarnation, self.shard), sealed, True)
+        key = self.names.snapshot(fragment, round_, self.site, self.incarnation, self.shard)
+        sealed = seal(self.keys, header, payload, encrypt_as=key)
+        self.store.put(key, sealed, True)
         return {"sha256": sha256(sealed), "segments": segments}
 
     def mark_snapshot(self, fragment: int, round_: int, shares: list[dict]) -> None:
