@@ -288,3 +288,40 @@ def test_the_model_s_values_are_encrypted_in_the_store_and_only_the_job_reads_th
     assert bytes(read) == values
     insecure = JobKeys(None, insecure=True)
     assert values in seal(insecure, {"kind": "shard"}, values, encrypt_as=key)
+
+
+def test_shares_by_parameter_and_range_cover_a_fragment_once_whatever_the_site_s_shape():
+    """A fragment of three pieces (a whole matrix, a bias, rows 2-5 of another matrix) cut for one rank and for each
+    rank of a 2-rank DDP site (contiguous halves of the flat vector padded to whole codec blocks, so not at a
+    parameter's edge): each 2-rank share overlaps the one-rank share exactly where its values are, and the two together
+    hold every value once."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from hf_diloco.core.layout.fragments import Piece
+    from hf_diloco.core.layout.shard import ReplicatedValues, Worker
+    from hf_diloco.core.layout.topology import RankLayout, Topology
+    from hf_diloco.core.store.segments import covered, overlaps, share_segments
+
+    params = {
+        "w": nn.Parameter(torch.zeros(6, 5)),
+        "b": nn.Parameter(torch.zeros(7)),
+        "v": nn.Parameter(torch.zeros(8, 3)),
+    }
+    pieces = [Piece("w", 0, 6), Piece("b", 0, 7), Piece("v", 2, 6)]
+    sizes = (30, 7, 12)
+
+    def segments(ranks: int, rank: int) -> list:
+        worker = Worker(Topology(RankLayout(ranks, 1, ranks), rank, {}), count_bytes=lambda sent: None)
+        values = ReplicatedValues(pieces, params, granularity=8 * ranks, worker=worker)
+        return share_segments(SimpleNamespace(pieces=pieces, sizes=sizes, values=values))
+
+    whole = segments(1, 0)
+    assert whole == [("w", 0, 30), ("b", 0, 7), ("v", 6, 12)]  # rows 2-5 of v: its elements 6..17
+    halves = [segments(2, 0), segments(2, 1)]
+    # 49 values padded to 64 (whole blocks of 8 for each of 2 ranks): rank 0 holds [0, 32), rank 1 [32, 49).
+    assert halves[0] == [("w", 0, 30), ("b", 0, 2)] and halves[1] == [("b", 2, 5), ("v", 6, 12)]
+    assert covered(whole, halves) and covered(halves[1], [whole])
+    assert overlaps(whole, halves[1]) == [(32, 0, 5), (37, 5, 12)]
+    assert overlaps(halves[0], halves[1]) == []
