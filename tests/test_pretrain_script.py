@@ -140,7 +140,9 @@ def _check_output_folder(output_dir: Path) -> None:
     metrics = json.loads((output_dir / "all_results.json").read_text())
     assert metrics["eval_loss"] < 7.0  # log(512) = 6.24 at random; a few steps already move below ~6.3
     if "eval_tokens" in metrics:  # scored by the shipped evaluate module (not for the pipelined/DDP-free paths)
-        assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]), rel=1e-4)
+        # eval_loss is the Trainer's mean of batch means (padded and gathered across ranks), the perplexity exp of
+        # the NLL per scored token: equal up to the last uneven batch, which moves them apart by ~1e-4 on 2 ranks.
+        assert metrics["eval_perplexity"] == pytest.approx(math.exp(metrics["eval_loss"]), rel=1e-3)
         assert metrics["eval_tokens"] > 0
 
 
