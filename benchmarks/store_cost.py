@@ -162,9 +162,12 @@ def cost(settings: dict, params: list[tuple[str, int]], sites: int, ranks: int, 
         "gets": gets,
         "lists": lists,
         "round_seconds": round_seconds,
-        "link_mbit_for_one_round": 8 * (up + down) / round_seconds / 1e6,
+        "link_mbit_down_in_a_round": 8 * down / round_seconds / 1e6,
+        "link_mbit_up_then_down_in_a_round": 8 * (up + down) / round_seconds / 1e6,
         "requests_per_second": (puts + gets + lists) / round_seconds,
         "store_rounds": contributions,
+        "snapshot_up_per_site_round": snapshot / settings["snapshot_every"] / m,
+        "join_down_bytes": snapshot + settings["snapshot_every"] * (m * share_objects + manifest),
         "snapshot_bytes": snapshot,
         "store_bytes": size,
         "store": {key: settings[key] for key in ("quorum", "grace_seconds", "max_staleness", "snapshot_every")},
@@ -177,9 +180,12 @@ def cost(settings: dict, params: list[tuple[str, int]], sites: int, ranks: int, 
             "lists": "(P - 1) x (max_staleness + 1)",
             "polls": f"P = ceil(grace / interval) + 1, interval = min(1, max(0.05, grace / 4)) = {interval:g} s",
             "round_seconds": f"H x {batch_tokens:,} tokens / {tokens_per_second:,} tokens/s (7B, {gpus} H100s)",
+            "link": "8 x down / round; 8 x (up + down) / round (a site reads once the round is decided)",
             "store_bytes": "(snapshot_every + max_staleness + 1) x M x (E + headers + record) + 2 x snapshot "
             "+ manifests",
             "snapshot_bytes": f"{8 if momentum else 4} B x N (fp32 θg{' and momentum' if momentum else ''})",
+            "snapshot_up": "snapshot / snapshot_every / M (the site that closes a snapshot round writes it)",
+            "join": "snapshot + snapshot_every x (M contributions + manifest): the rounds replayed after it",
         },
     }
 
@@ -197,14 +203,17 @@ def table(results: dict[str, dict], sites: int, ranks: int) -> str:
         ("gets per site and round", lambda r: f"{r['gets']:.3g}"),
         ("lists per site and round", lambda r: f"{r['lists']:.3g}"),
         ("round at llm-foundry's 7B step time, s", lambda r: f"{r['round_seconds']:.0f}"),
-        ("link to move a round's bytes within a round", lambda r: f"{r['link_mbit_for_one_round']:.0f} Mbit/s"),
+        ("link to move a round's bytes within a round: down / up then down",
+         lambda r: f"{r['link_mbit_down_in_a_round']:.0f} / {r['link_mbit_up_then_down_in_a_round']:.0f} Mbit/s"),
         ("requests per second, per site", lambda r: f"{r['requests_per_second']:.2f}"),
         ("snapshot (one)", lambda r: f"{r['snapshot_bytes']:,} B ({gb(r['snapshot_bytes'])})"),
+        ("snapshot writes, per site and round on average", lambda r: gb(r["snapshot_up_per_site_round"])),
+        ("a joiner reads: a snapshot and up to snapshot_every rounds", lambda r: gb(r["join_down_bytes"])),
         ("store size bound", lambda r: f"{r['store_bytes']:,.0f} B ({gb(r['store_bytes'])}): {r['store_rounds']} rounds x {sites} sites + 2 snapshots"),
     ]  # fmt: skip
     lines = ["| | " + " | ".join(f"`{name}`" for name in names) + " | formula |", "|---" * (len(names) + 2) + "|"]
     keys = ["codec", "payload_per_site", "up_bytes", "down_bytes", "polls", "puts", "gets", "lists", "round_seconds",
-            "link", "requests", "snapshot_bytes", "store_bytes"]  # fmt: skip
+            "link", "requests", "snapshot_bytes", "snapshot_up", "join", "store_bytes"]  # fmt: skip
     for (label, cell), key in zip(rows, keys):
         formula = first["formulas"].get(key, "")
         lines.append(f"| {label} | " + " | ".join(cell(results[name]) for name in names) + f" | {formula} |")
@@ -213,7 +222,8 @@ def table(results: dict[str, dict], sites: int, ranks: int) -> str:
         f"\n\n{sites} sites of Llama 2 7B ({first['parameters']:,} parameters, one fragment), each of R = {ranks} "
         f"rank(s); M = {sites} contributing sites per round; the store's settings at their defaults (quorum "
         f"{store['quorum']}, grace {store['grace_seconds']:g} s, max_staleness {store['max_staleness']}, snapshot_every "
-        f"{store['snapshot_every']}). The store path sends the codec's payload as encoded (no deflate).\n"
+        f"{store['snapshot_every']}). A store share is the codec's payload as encoded: `slow_link`'s entropy_coding is not "
+        "part of a store exchange (refused with exchange: store).\n"
     )
 
 

@@ -83,7 +83,9 @@ def test_the_objects_around_a_payload_are_the_size_the_paper_counts(tmp_path):
                                   norm=1.2345678901234567) for _ in range(3)]  # fmt: skip
     board.decide(Manifest(0, named["base"] + 1, named["site"], weigh(contributions, named["base"] + 1, 2),
                           waited_seconds=12.345))  # fmt: skip
-    sizes = {path.name.rsplit("-", 1)[0]: path.stat().st_size for path in (tmp_path / "store").rglob("*") if path.is_file()}
+    sizes = {
+        path.name.rsplit("-", 1)[0]: path.stat().st_size for path in (tmp_path / "store").rglob("*") if path.is_file()
+    }
     expected = {
         "s0000": store_cost.sealed_bytes(store_cost.share_header(share, "fp4"), len(payload)),
         "record": store_cost.sealed_bytes(store_cost.record_header(), len(store_cost.record_payload([share]))),
