@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -104,7 +105,8 @@ def worker_main(cli: argparse.Namespace) -> None:
         "round", step=engine.inner_step, final=record.final, stats=dict(engine.stats),
         counts=None if counting is None else counting.snapshot(),
     ))  # fmt: skip
-    event("training", counts=None if counting is None else counting.snapshot(), stats=dict(engine.stats))
+    event("training", counts=None if counting is None else counting.snapshot(), stats=dict(engine.stats),
+          cpu=cpu_seconds())  # fmt: skip
     steps = cli.rounds * cli.inner_steps
     while engine.inner_step < steps:
         started = time.time()
@@ -115,9 +117,18 @@ def worker_main(cli: argparse.Namespace) -> None:
         computed = time.time()
         engine.step()
         event("step", step=engine.inner_step, start=started, computed=computed, stepped=time.time())
-    event("loop_done")
+    event("loop_done", cpu=cpu_seconds())
     engine.close()
     event("closed", stats=dict(engine.stats))
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User and system CPU seconds of this process (every thread), or of process `pid` (from /proc)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ----------------------------------------------------------------------------------------------- the driver
@@ -158,9 +169,10 @@ class Processes:
         self.running.clear()
 
 
-def start_s3_server(processes: Processes, address: str) -> dict:
-    """moto's S3 server in namespace 0 at `address`, its bucket made; the environment a site needs."""
-    processes.start(0, [sys.executable, "-m", "moto.server", "-H", address, "-p", str(S3_PORT)], "s3_server")
+def start_s3_server(processes: Processes, address: str) -> tuple[dict, int]:
+    """moto's S3 server in namespace 0 at `address`, its bucket made; the environment a site needs, and the
+    server's process id (`ip netns exec` runs it in its own process)."""
+    server = processes.start(0, [sys.executable, "-m", "moto.server", "-H", address, "-p", str(S3_PORT)], "s3_server")
     endpoint = f"http://{address}:{S3_PORT}"
     deadline = time.monotonic() + 60
     make_bucket = [*processes.link.exec_prefix(0), sys.executable, "-c",
@@ -171,7 +183,7 @@ def start_s3_server(processes: Processes, address: str) -> dict:
             raise RuntimeError(f"moto's S3 server did not answer at {endpoint} within 60 s")
         time.sleep(0.3)
     return {"AWS_ACCESS_KEY_ID": "benchmark", "AWS_SECRET_ACCESS_KEY": "benchmark-secret", "AWS_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": endpoint}  # fmt: skip
+            "AWS_ENDPOINT_URL": endpoint}, server.pid  # fmt: skip
 
 
 def worker_argv(args: argparse.Namespace, kind: str, slot: int, sync_delay: int, url: str, out: Path) -> list[str]:
@@ -187,9 +199,12 @@ def run_one(name: str, link: netns.SlowLink, args: argparse.Namespace, work: Pat
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     processes = Processes(link, out)
+    server_cpu = None
     try:
         if kind == "store":
-            env = {**start_s3_server(processes, link.addresses[0]), "HF_DILOCO_JOB_SECRET": os.urandom(16).hex()}
+            env, server = start_s3_server(processes, link.addresses[0])
+            env["HF_DILOCO_JOB_SECRET"] = os.urandom(16).hex()
+            before = cpu_seconds(server)
             sites = [processes.start(1, worker_argv(args, kind, slot, sync_delay, f"s3://{BUCKET}/{name}", out),
                                      f"site{slot}", env) for slot in range(args.sites)]  # fmt: skip
         else:
@@ -197,10 +212,12 @@ def run_one(name: str, link: netns.SlowLink, args: argparse.Namespace, work: Pat
             sites = [processes.start(slot, worker_argv(args, kind, slot, sync_delay, url, out), f"site{slot}",
                                      {"GLOO_SOCKET_IFNAME": link.devices[slot]}) for slot in range(2)]  # fmt: skip
         processes.wait(sites, f"the {name} run")
+        if kind == "store":
+            server_cpu = cpu_seconds(server) - before
     finally:
         processes.stop()
     logs = [[json.loads(line) for line in path.read_text().splitlines()] for path in sorted(out.glob("events_*"))]
-    return run_figures(name, logs, args)
+    return {**run_figures(name, logs, args), "server_cpu_seconds": server_cpu}
 
 
 def run_figures(name: str, logs: list[list[dict]], args: argparse.Namespace) -> dict:
@@ -218,6 +235,8 @@ def run_figures(name: str, logs: list[list[dict]], args: argparse.Namespace) -> 
         "utilization": statistics.mean(site["utilization"] for site in per_site),
         "utilization_by_site": [site["utilization"] for site in per_site],
         "loop_seconds": max(site["loop_seconds"] for site in per_site),
+        "compute_seconds": statistics.mean(site["compute_seconds"] for site in per_site),
+        "cpu_seconds": statistics.mean(site["cpu_seconds"] for site in per_site),
         "up_bytes_per_site_round": statistics.mean(x for site in per_site for x in (r["up"] for r in site["rounds"])),
         "down_bytes_per_site_round": statistics.mean(r["down"] for site in per_site for r in site["rounds"]),
         "link_up_bytes_per_round": up,
@@ -227,7 +246,26 @@ def run_figures(name: str, logs: list[list[dict]], args: argparse.Namespace) -> 
         if store else {},
         "object_bytes_per_site_round": mean_counts([r["bytes"] for site in per_site for r in site["rounds"]])
         if store else {},
+        "requests_as_the_formulas": formula_matches(per_site, len(logs)) if store else None,
     }  # fmt: skip
+
+
+def formula_matches(per_site: list[dict], sites: int, max_staleness: int = 2) -> list[int]:
+    """[site-rounds whose requests are what `benchmarks.store_cost` counts, site-rounds]: with P the leader's polls
+    (its manifest gets less the catch-up check, the round's read and a lost race's read), `(P - 1) x bases` lists
+    (the bases a poll lists: `max_staleness` + 1, fewer in the first rounds), one put of the share, the record and
+    the heartbeat, every site's record and every other site's share read once (sites of one rank)."""
+    matches = total = 0
+    for site in per_site:
+        for number, entry in enumerate(site["rounds"], start=1):
+            requests, written = entry["requests"], entry["bytes"]
+            lost = requests.get("put/manifest", 0) - (1 if written.get("put/manifest", 0) > 0 else 0)
+            polls = requests.get("get/manifest", 0) - 2 - lost
+            expected = {"list/record": (polls - 1) * min(max_staleness + 1, number), "put/share": 1, "put/record": 1,
+                        "put/heartbeat": 1, "get/record": sites, "get/share": sites - 1}  # fmt: skip
+            total += 1
+            matches += all(requests.get(key, 0) == value for key, value in expected.items())
+    return [matches, total]
 
 
 def site_figures(events: list[dict], store: bool, inner_steps: int) -> dict:
@@ -253,7 +291,12 @@ def site_figures(events: list[dict], store: bool, inner_steps: int) -> dict:
             counts = difference(entry["counts"], previous["counts"])
         rounds.append({"up": up, "down": down, "exchange_seconds": engine_seconds.get(launch, 0.0), **counts})
         previous = entry
-    return {"rounds": rounds, "utilization": compute / (end - start), "loop_seconds": end - start}
+    cpu = (
+        next(e for e in events if e["kind"] == "loop_done")["cpu"]
+        - next(e for e in events if e["kind"] == "training")["cpu"]
+    )
+    return {"rounds": rounds, "utilization": compute / (end - start), "loop_seconds": end - start,
+            "compute_seconds": compute, "cpu_seconds": cpu}  # fmt: skip
 
 
 def mean_counts(counts: list[dict]) -> dict:
@@ -284,6 +327,8 @@ def table(results: dict[str, dict], tcp: dict, args: argparse.Namespace) -> str:
         ("what its bytes take at the TCP rate, s", lambda r: f"{statistics.median(expected_seconds(r, rate)):.2f}"),
         ("compute utilization", lambda r: pct(r["utilization"])),
         ("loop wall seconds", lambda r: f"{r['loop_seconds']:.1f}"),
+        ("a site's compute seconds / CPU seconds in the loop", lambda r: f"{r['compute_seconds']:.1f} / {r['cpu_seconds']:.1f}"),
+        ("the S3 server's CPU seconds", lambda r: "-" if r["server_cpu_seconds"] is None else f"{r['server_cpu_seconds']:.1f}"),
     ]  # fmt: skip
     lines = ["| | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(cell(results[name]) for name in names) + " |" for label, cell in rows]
@@ -293,6 +338,8 @@ def table(results: dict[str, dict], tcp: dict, args: argparse.Namespace) -> str:
         lines.append("| store requests per site and round | mean |")
         lines.append("|---|---|")
         lines += [f"| {key} | {value:.2f} |" for key, value in store["requests_per_site_round"].items()]
+        matches, total = store["requests_as_the_formulas"]
+        lines.append(f"\nRequests as `benchmarks.store_cost` counts them: {matches} of {total} site-rounds.")
     return "\n".join(lines) + "\n\n" + caption(args, tcp) + "\n"
 
 

@@ -24,11 +24,12 @@ def test_help_and_arguments(capsys):
 
 def _events(store: bool, rounds: list[tuple[int, int, float]], inner_steps: int = 4) -> list[dict]:
     """A site's event log: one round per (bytes up, bytes down, seconds of its launching step)."""
+
     def stats(up: int, down: int) -> dict:
         return {"store_bytes_up": up, "store_bytes_down": down} if store else {"bytes_sent": up}
 
     counts = {"requests": {"put/share": 0}, "bytes": {}}
-    events = [{"kind": "training", "stats": stats(0, 0), "counts": counts}]
+    events = [{"kind": "training", "stats": stats(0, 0), "counts": counts, "cpu": 1.0}]
     up = down = 0
     step = 0
     for number, (up_bytes, down_bytes, seconds) in enumerate(rounds, start=1):
@@ -40,7 +41,7 @@ def _events(store: bool, rounds: list[tuple[int, int, float]], inner_steps: int 
         up, down = up + up_bytes, down + down_bytes
         counts = {"requests": {"put/share": number}, "bytes": {}}
         events.append({"kind": "round", "step": step, "final": False, "stats": stats(up, down), "counts": counts})
-    return events
+    return [*events, {"kind": "loop_done", "cpu": 6.0}]
 
 
 def test_figures_per_round_and_the_time_bytes_take_at_the_rate():
@@ -60,6 +61,19 @@ def test_figures_per_round_and_the_time_bytes_take_at_the_rate():
     assert store_link.expected_seconds(gloo, 100.0) == [1.0]  # each worker's 100 bytes, both directions at once
     # 8 steps of 0.5 s compute each; the loop from the first start to the last end
     assert run["utilization_by_site"][0] == pytest.approx(4.0 / (8.5 + 3.0 - 1))
+    assert run["compute_seconds"] == 4.0 and run["cpu_seconds"] == 5.0
+
+
+def test_requests_are_checked_against_the_formulas_round_by_round():
+    def entry(polls: int, bases: int, lost: bool = False, lists: int | None = None) -> dict:
+        requests = {"get/manifest": polls + 2 + lost, "list/record": (polls - 1) * bases if lists is None else lists,
+                    "put/share": 1, "put/record": 1, "put/heartbeat": 1, "get/record": 2, "get/share": 1,
+                    "put/manifest": 1}  # fmt: skip
+        return {"requests": requests, "bytes": {"put/manifest": 0 if lost else 700}}
+
+    # rounds 1, 2, 3 list 1, 2, 3 bases (max_staleness 2); a lost race reads the winner's manifest once more
+    site = {"rounds": [entry(4, 1), entry(2, 2, lost=True), entry(5, 3), entry(3, 3, lists=5)]}
+    assert store_link.formula_matches([site], sites=2) == [3, 4]
 
 
 @pytest.mark.timeout(600)
