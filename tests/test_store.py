@@ -214,6 +214,17 @@ def test_a_store_down_longer_than_the_bound_stops_the_call_naming_the_store_and_
     assert bounded.put("a", b"x") and bounded.get("a") == b"x"
 
 
+def test_entropy_coding_with_a_store_is_refused_naming_it():
+    """A store share is written as its codec encodes it (its length checked against the codec's before it is read):
+    `entropy_coding` would be a setting that silently does nothing, so it is refused."""
+    from hf_diloco import DiLoCoConfig
+
+    store = {"exchange": "store", "store_url": "file:///tmp/job", "site": "site-a", "compression": "fp4"}
+    DiLoCoConfig(**store)
+    with pytest.raises(ValueError, match=r"not supported: entropy_coding \(a share is stored as its codec encodes"):
+        DiLoCoConfig(**store, entropy_coding=True)
+
+
 def test_a_store_that_accepts_a_second_create_is_refused(tmp_path):
     class Overwriting:
         url = "s3://no-conditional-writes/job"

@@ -603,6 +603,8 @@ class DiLoCoConfig:
             refused.append(f"round_policy '{self.round_policy}' (a store round never waits for a slow site anyway)")
         if self.lowrank_rank or self.adaptive_compression:
             refused.append("low-rank or adaptive compression (they need every worker in every factor's average)")
+        if self.entropy_coding:  # a share's length is checked against its codec's before it is read
+            refused.append("entropy_coding (a share is stored as its codec encodes it, never deflated)")
         refuse_unsupported(
             "exchange 'store' runs streaming rounds of any codec", refused, "use exchange: process_group"
         )
