@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("torchft")
 
 HOST = "127.0.0.1"
+SECRET = "heal-trust-job-secret"  # the job's secret both workers hold, unless a test gives each its own
 
 HOSTILE_PEER = r"""
 import builtins, sys
@@ -113,7 +114,7 @@ def listening_addresses() -> dict[int, str]:
 
 
 def two_workers(
-    lighthouse: str, names: list[str], states: list, secrets: tuple = (None, None)
+    lighthouse: str, names: list[str], states: list, secrets: tuple = (SECRET, SECRET)
 ) -> tuple[list, list, list, list]:
     """Two `TorchftMembership`s joining at once (one thread each): their memberships, views, errors and the states
     they loaded in a heal."""

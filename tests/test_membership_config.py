@@ -15,6 +15,7 @@ from hf_diloco.core.settings.config import env_fields
 from hf_diloco.integrations.engine_session import check_one_process_per_site, membership_from_config
 
 ELASTIC = dict(lighthouse="http://10.0.0.5:29510", site="site-a")
+SECRET = "membership-config-test-secret"  # elastic membership refuses to start without the job's secret
 
 
 @pytest.mark.parametrize(
@@ -35,6 +36,39 @@ ELASTIC = dict(lighthouse="http://10.0.0.5:29510", site="site-a")
 def test_bad_membership_fields_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         DiLoCoConfig(**fields)
+
+
+@pytest.fixture(autouse=True)
+def job_secret(monkeypatch):
+    """Every site of these tests holds the job's secret, as elastic membership requires."""
+    monkeypatch.setenv("HF_DILOCO_JOB_SECRET", SECRET)
+    monkeypatch.delenv("HF_DILOCO_JOB_SECRET_FILE", raising=False)
+
+
+def test_elastic_membership_without_the_jobs_secret_is_refused_unless_the_insecure_mode_is_named(monkeypatch):
+    from hf_diloco.backends.torchft_membership import TorchftMembership
+
+    monkeypatch.delenv("HF_DILOCO_JOB_SECRET")
+    expected = (
+        "elastic membership (lighthouse) needs the job's secret, so that no process outside the job can join it, "
+        "read the global model through a heal or put anything into it: write it to a file only the job's user can "
+        "read and set HF_DILOCO_JOB_SECRET_FILE to that file (or set HF_DILOCO_JOB_SECRET) on every site, the same "
+        "on all of them. On a network nobody else can reach, insecure_no_secret: true runs without one."
+    )
+    with pytest.raises(ValueError) as refused:
+        membership_from_config(DiLoCoConfig(**ELASTIC), Topology.single_process())
+    assert str(refused.value) == expected
+    with pytest.raises(ValueError, match=r"needs the job's secret"):
+        TorchftMembership(ELASTIC["lighthouse"], "site-a")
+    insecure = membership_from_config(DiLoCoConfig(**ELASTIC, insecure_no_secret=True), Topology.single_process())
+    assert insecure.manager is None and insecure._secret is None
+
+
+def test_a_sites_servers_listen_on_loopback_unless_its_address_is_named():
+    config = DiLoCoConfig(**ELASTIC)
+    assert membership_from_config(config, Topology.single_process()).host == "127.0.0.1"
+    named = DiLoCoConfig(**ELASTIC, site_host="10.0.0.6")
+    assert membership_from_config(named, Topology.single_process()).host == "10.0.0.6"
 
 
 def test_membership_stays_out_of_the_fingerprint_so_sites_may_differ():

@@ -7,11 +7,10 @@ worker reaches, on a private address (`torchft_lighthouse --min_replicas 1 --joi
 
 What a worker trusts: the state it heals from is loaded with `weights_only=True` (tensors and plain containers only;
 anything else, a pickled object with a `__reduce__` included, is refused with `HealStateRefused` before it runs), and
-its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only. With a shared job
-secret (`secret=`, or the file named by `HF_DILOCO_JOB_SECRET_FILE`, or `HF_DILOCO_JOB_SECRET`) every heal payload
-carries an HMAC-SHA256 of its bytes and step, checked before the payload is read. Joining is not authenticated: any
-process that reaches the Lighthouse and the workers' ports can join the quorum and send (wrong) pseudo-gradients, so
-run the job inside a private network (a VPN between sites).
+its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only (127.0.0.1 unless
+named). The job's secret (`secret=`, or the file named by `HF_DILOCO_JOB_SECRET_FILE`, or `HF_DILOCO_JOB_SECRET`) is
+required unless `insecure_no_secret`: every heal payload carries an HMAC-SHA256 of its bytes and step, checked before
+the payload is read.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import contextlib
 import hashlib
 import hmac
 import io
+import ipaddress
 import json
 import logging
 import os
@@ -27,6 +27,7 @@ import pickle
 import re
 import socket
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
@@ -36,13 +37,14 @@ import torch.distributed as dist
 
 from ..core.membership.elastic import MinWorkersTimeout, check_published_settings, check_same_sharding
 from ..core.membership.membership import LoadFn, RoundView, StateFn
-from ..core.settings.secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, job_secret
+from ..core.settings.secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, elastic_secret
 
 logger = logging.getLogger(__name__)
 # How long one quorum request waits before it is sent again (a Lighthouse restarted at the same address answers only
 # requests made after it came back); `quorum_timeout` bounds them all.
 QUORUM_ATTEMPT_SECONDS = 10.0
 SETTINGS_KEY = "hf_diloco/settings"  # in each worker's own store: its DiLoCo settings, read by a joiner
+LOOPBACK = "127.0.0.1"  # where a worker's servers listen unless `host` names the address other sites reach
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
 
@@ -84,8 +86,9 @@ class TorchftMembership:
         connect_timeout: the bound of reaching the Lighthouse and a peer's manager, in seconds.
         poll_seconds: the pause between two quorums while too few workers are present.
         host: the name or address the other workers reach this one at (its group's rendezvous store is announced
-            under it); by default this machine's host name, which must resolve to a reachable address at every site.
-            The worker's store, checkpoint server and Manager listen on this address only (not on every interface).
+            under it); 127.0.0.1 by default, which only workers on this machine reach: name this machine's address
+            on the sites' network for a job of several machines. The worker's store, checkpoint server and Manager
+            listen on this address only (not on every interface).
         site_rank, site_size: this process's rank among the site's ranks (its worker's pipeline stages and
             data-parallel ranks, in the topology's order), and their number (every site
             of the job must have the same; rank k of a site exchanges with rank k of the others).
@@ -93,7 +96,10 @@ class TorchftMembership:
             store and the ranks agree whether to ask for a quorum again; None for a site of one process.
         secret: the job's shared secret (the same on every worker; never logged or saved): the state this worker
             serves for a heal is signed with it and the state it heals from must be. By default the contents of the
-            file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`, else none (payloads unsigned).
+            file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`; none is refused with a `ValueError`
+            unless `insecure_no_secret`.
+        insecure_no_secret: run without a secret, on a network nobody else can reach: heals and members are then
+            not authenticated.
     """
 
     def __init__(
@@ -112,6 +118,7 @@ class TorchftMembership:
         site_rank: int = 0,
         site_size: int = 1,
         site_group: dist.ProcessGroup | None = None,
+        insecure_no_secret: bool = False,
     ):
         if min_workers < 1 or start_workers < 1:
             raise ValueError(f"min_workers and start_workers must be at least 1; got {min_workers}, {start_workers}.")
@@ -126,8 +133,15 @@ class TorchftMembership:
         self.min_workers, self.min_workers_timeout, self.poll_seconds = min_workers, min_workers_timeout, poll_seconds
         self._required = max(min_workers, start_workers)
         self._timeouts = (sync_timeout, quorum_timeout, connect_timeout)
-        self.host = host or socket.gethostname()
-        self._secret = job_secret(secret)
+        self._secret = elastic_secret(secret, insecure_no_secret)
+        self.host = host or LOOPBACK
+        if not host and not _is_loopback(self.lighthouse):
+            logger.warning(
+                "the Lighthouse %s is not on this machine, but this worker's servers listen on %s, which only "
+                "workers on this machine reach: set host (site_host) to the address the other sites reach this one at.",
+                self.lighthouse,
+                LOOPBACK,
+            )
         self._heal: dict = {}
         self._load_state_dict: LoadFn | None = None
         self.manager = None
@@ -529,6 +543,17 @@ def _group_per_quorum_and_step(process_group_class: type) -> type:
             super().configure(f"{store_addr}/step{self._sink.get('max_step', 0)}", *args, **kwargs)
 
     return GroupPerQuorumAndStep
+
+
+def _is_loopback(url: str) -> bool:
+    """Whether the host of `url` (http://host:port) is this machine's loopback."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _resolve(host: str) -> tuple[socket.AddressFamily, str]:

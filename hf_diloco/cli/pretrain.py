@@ -111,9 +111,11 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
     What can be checked before any data, tokenizer or model is built: the processes form whole workers (one process
     in all under elastic membership: each site is launched on its own), the model has positions for
     `data.block_size` tokens (a new model's config is built here without its vocabulary, which the tokenizer decides
-    later), and a run that pushes to the Hub is not in Hugging Face's offline mode.
+    later), a run that pushes to the Hub is not in Hugging Face's offline mode, and an elastic site has the job's
+    secret.
     """
     from ..core.layout.topology import RankLayout
+    from ..core.settings.secret import elastic_secret
     from ..integrations.engine_session import check_one_process_per_site
     from ..job.modeling import build_model_config, check_block_size
     from ..publish.hub import refuse_offline_push
@@ -122,7 +124,10 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
         refuse_offline_push("the final model (push_to_hub)", args.hub_model_id or Path(args.output_dir).name)
     if use_diloco:
         RankLayout(args.world_size, args.pipeline_stages, args.data_parallel_per_worker)
-        check_one_process_per_site(args.diloco_config(), args.world_size)
+        diloco = args.diloco_config()
+        check_one_process_per_site(diloco, args.world_size)
+        if diloco.lighthouse:
+            elastic_secret(insecure=diloco.insecure_no_secret)
     check_block_size(_block_size(config), build_model_config(config.section("model"), vocab_size=0))
 
 

@@ -80,6 +80,7 @@ def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
         site_rank=topology.rank % topology.layout.worker_size,
         site_size=topology.layout.worker_size,
         site_group=topology.control_group,
+        insecure_no_secret=config.insecure_no_secret,
     )
 
 

@@ -347,7 +347,10 @@ class DiLoCoConfig:
     site: str = field(default="", metadata={"help": "This site's name, unique in the elastic job (its replica id)."})
     site_host: str = field(
         default="",
-        metadata={"help": "The address the other sites reach this one at (empty: this machine's host name)."},
+        metadata={
+            "help": "The address the other sites reach this one at, where its servers listen (empty: 127.0.0.1, "
+            "this machine only)."
+        },
     )
     min_workers: int = field(default=1, metadata={"help": "Elastic: the fewest sites an exchange runs with."})
     start_workers: int = field(default=1, metadata={"help": "Elastic: the sites the first exchange waits for."})
@@ -422,8 +425,9 @@ class DiLoCoConfig:
     insecure_no_secret: bool = field(
         default=False,
         metadata={
-            "help": "Run without the job's secret (HF_DILOCO_JOB_SECRET_FILE / HF_DILOCO_JOB_SECRET): objects and "
-            "peers are then not authenticated. Only for a store or network nobody else can write to."
+            "help": "Run sites (exchange: store, or lighthouse) without the job's secret (HF_DILOCO_JOB_SECRET_FILE / "
+            "HF_DILOCO_JOB_SECRET): store objects and peers are then not authenticated, and whoever reaches the "
+            "Lighthouse and a site can join. Only for a store or network nobody else can reach."
         },
     )
 
