@@ -107,6 +107,60 @@ def test_a_heal_state_holding_an_object_is_refused_and_nothing_runs(hostile_peer
         transport.shutdown(wait=False)
 
 
+STRANGER = r"""
+import sys, urllib.error, urllib.parse, urllib.request
+
+from hf_diloco.backends.torchft_membership import PROOF_HEADER, heal_request_proof
+
+url, secret = sys.argv[1], sys.argv[2]
+request = urllib.request.Request(url)
+if secret:  # a proof under a secret that is not the job's
+    request.add_header(PROOF_HEADER, heal_request_proof(urllib.parse.urlsplit(url).path, secret.encode()))
+try:
+    with urllib.request.urlopen(request, timeout=10) as response:
+        body = response.read()
+        print(response.status, len(body))
+except urllib.error.HTTPError as error:
+    print(error.code, len(error.read()))
+"""
+
+
+def test_a_heal_state_is_served_only_to_a_request_that_proves_the_jobs_secret(tmp_path):
+    """A worker serves its state (as torchft does while a peer heals). A stranger in another process, which knows the
+    address, the port and the step, asks for it without a proof and with a proof under another secret: both get 403
+    and none of the state's bytes; a member's transport, holding the secret, receives the state."""
+    from hf_diloco.backends.torchft_membership import HealStateRefused, _counting_http_transport, _servers_bound_to
+
+    served = {"user": {"default": {"global": [torch.full((4096,), 7.0)]}}, "torchft": {"step": 3}}
+    with _servers_bound_to(HOST):
+        server = _counting_http_transport(timedelta(seconds=10), {}, HOST, SECRET.encode())
+        member = _counting_http_transport(timedelta(seconds=10), {}, HOST, SECRET.encode())
+        other = _counting_http_transport(timedelta(seconds=10), sink := {}, HOST, b"another-secret")
+    try:
+        server.send_checkpoint([1], 3, served, timedelta(seconds=10))
+        url = f"{server.address()}3/full"
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        for secret in ("", "another-secret"):
+            stranger = subprocess.run(
+                [sys.executable, "-c", STRANGER, url, secret], capture_output=True, text=True, env=env, timeout=60
+            )
+            status, length = stranger.stdout.split()
+            assert status == "403" and int(length) < 1000, stranger  # torchft's error page, not the 16 KB state
+        with pytest.raises(HealStateRefused) as refused:
+            other.recv_checkpoint(src_rank=0, metadata=server.address(), step=3, timeout=timedelta(seconds=10))
+        assert str(refused.value) == (
+            f"the worker at {url} refused to serve its state for a heal (HTTP 403): this worker did not prove the "
+            "job's secret to it (it holds another secret than the job's, or none). Give every worker the same secret "
+            "(HF_DILOCO_JOB_SECRET_FILE or HF_DILOCO_JOB_SECRET), or stop this worker."
+        )
+        assert sink["refused"] == str(refused.value) and "bytes" not in sink
+        state = member.recv_checkpoint(src_rank=0, metadata=server.address(), step=3, timeout=timedelta(seconds=10))
+        assert torch.equal(state["user"]["default"]["global"][0], served["user"]["default"]["global"][0])
+    finally:
+        for transport in (server, member, other):
+            transport.shutdown(wait=False)
+
+
 def listening_addresses() -> dict[int, str]:
     """Port -> local address of every socket this process listens on."""
     connections = psutil.Process().net_connections(kind="tcp")
@@ -122,7 +176,14 @@ def two_workers(
 
     memberships = [
         TorchftMembership(
-            lighthouse, name, min_workers=2, min_workers_timeout=30, sync_timeout=10, host=HOST, secret=secret
+            lighthouse,
+            name,
+            min_workers=2,
+            min_workers_timeout=30,
+            sync_timeout=10,
+            host=HOST,
+            secret=secret,
+            insecure_no_secret=secret is None,
         )
         for name, secret in zip(names, secrets)
     ]
@@ -224,8 +285,21 @@ def test_a_peer_with_another_secret_is_refused(lighthouse):
         membership.close()
     refused = [error for error in errors if error is not None]
     assert len(refused) == 1 and isinstance(refused[0], HealStateRefused), errors
-    assert "not signed with this job's secret" in str(refused[0]) and loaded == []
+    assert "refused to serve its state for a heal (HTTP 403)" in str(refused[0]) and loaded == []
     assert "secret-1" not in str(refused[0]) and "secret-2" not in str(refused[0])  # never in a message
+
+
+def test_a_heal_served_without_the_jobs_secret_is_refused_before_it_is_read(lighthouse):
+    """A peer run with insecure_no_secret serves its state unsigned (site_a, the first member, serves at step 0): the
+    healer, which holds the secret, refuses it before it reads the payload."""
+    from hf_diloco.backends.torchft_membership import HealStateRefused
+
+    state = {"global": [torch.zeros(2)]}
+    memberships, views, errors, loaded = two_workers(lighthouse, ["site_a", "site_b"], [state, state], (None, SECRET))
+    for membership in memberships:
+        membership.close()
+    assert errors[0] is None and isinstance(errors[1], HealStateRefused), errors
+    assert "it is not signed with this job's secret" in str(errors[1]) and loaded == []
 
 
 @pytest.mark.timeout(60)

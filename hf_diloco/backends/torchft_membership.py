@@ -27,6 +27,7 @@ import pickle
 import re
 import socket
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 # requests made after it came back); `quorum_timeout` bounds them all.
 QUORUM_ATTEMPT_SECONDS = 10.0
 SETTINGS_KEY = "hf_diloco/settings"  # in each worker's own store: its DiLoCo settings, read by a joiner
+PROOF_HEADER = "X-HF-DiLoCo-Proof"  # a heal request's proof of the job's secret (`heal_request_proof`)
 LOOPBACK = "127.0.0.1"  # where a worker's servers listen unless `host` names the address other sites reach
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
@@ -395,7 +397,8 @@ def _published_settings(address: str, timeout: float) -> dict | None:
 
 
 def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: bytes | None = None) -> object:
-    """torchft's HTTP checkpoint transport, announced under `host`, serving each state sealed (`seal_heal_state`),
+    """torchft's HTTP checkpoint transport, announced under `host`, serving each state sealed (`seal_heal_state`) and,
+    with a secret, only to a request that proves it (`heal_request_proof`; any other gets 403 before a byte of state),
     loading what this worker receives safely and checking its seal (`open_heal_state`), and recording its bytes and
     seconds (or why it was refused) in `sink`."""
     from torchft.checkpointing import HTTPTransport
@@ -415,20 +418,62 @@ def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: 
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             started = time.perf_counter()
+            request = urllib.request.Request(address)
+            if secret is not None:
+                request.add_header(PROOF_HEADER, heal_request_proof(urllib.parse.urlsplit(address).path, secret))
             try:
-                with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
                     reader = _CountingReader(response)
                     state = load_heal_state(reader, address)
             except HealStateRefused as refused:
                 sink["refused"] = str(refused)
                 raise
+            except urllib.error.HTTPError as error:
+                if error.code != 403:
+                    raise
+                sink["refused"] = (
+                    f"the worker at {address} refused to serve its state for a heal (HTTP 403): this worker did not "
+                    "prove the job's secret to it (it holds another secret than the job's, or none). Give every "
+                    f"worker the same secret ({SECRET_FILE_VARIABLE} or {SECRET_VARIABLE}), or stop this worker."
+                )
+                raise HealStateRefused(sink["refused"]) from None
             sink["bytes"], sink["seconds"] = reader.count, time.perf_counter() - started
             return state
 
         def address(self) -> str:  # torchft announces this machine's host name, not the address it listens on
             return f"http://{_url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-    return CountingHTTPTransport(timeout=timeout, num_chunks=0)
+    transport = CountingHTTPTransport(timeout=timeout, num_chunks=0)
+    if secret is not None:
+        _serve_members_only(transport._server, secret)
+    return transport
+
+
+def heal_request_proof(path: str, secret: bytes) -> str:
+    """What a request for a heal state at `path` (`/checkpoint/<step>/full`) carries in `PROOF_HEADER`: the
+    HMAC-SHA256 of the path under the job's secret, which only members compute."""
+    return hmac.new(secret, b"hf_diloco heal request\0" + path.encode(), hashlib.sha256).hexdigest()
+
+
+def _serve_members_only(server: object, secret: bytes) -> None:
+    """Make torchft's checkpoint server answer a request without the job's proof with 403, before it reads or sends
+    any of the state it serves (the check comes before torchft's handler takes its lock)."""
+    handler = server.RequestHandlerClass
+
+    class MembersOnly(handler):
+        def do_GET(self) -> None:  # noqa: N802 -- the name http.server calls
+            proof = self.headers.get(PROOF_HEADER, "").encode(errors="replace")
+            if not hmac.compare_digest(proof, heal_request_proof(self.path, secret).encode()):
+                logger.warning(
+                    "refused a request for this worker's state from %s (%s): it does not prove the job's secret",
+                    self.client_address[0],
+                    self.path[:100],
+                )
+                self.send_error(403, "Not a member of this job: the request does not prove the job's secret")
+                return
+            super().do_GET()
+
+    server.RequestHandlerClass = MembersOnly
 
 
 def load_heal_state(stream: object, source: str) -> object:
