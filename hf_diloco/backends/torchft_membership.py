@@ -9,13 +9,16 @@ What a worker trusts: the state it heals from is loaded with `weights_only=True`
 anything else, a pickled object with a `__reduce__` included, is refused with `HealStateRefused` before it runs), and
 its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only (127.0.0.1 unless
 named). The job's secret (`secret=`, or the file named by `HF_DILOCO_JOB_SECRET_FILE`, or `HF_DILOCO_JOB_SECRET`) is
-required unless `insecure_no_secret`: every heal payload carries an HMAC-SHA256 of its bytes and step, checked before
-the payload is read.
+required unless `insecure_no_secret`: a heal state is served only to a request that proves it and carries an
+HMAC-SHA256 of its bytes and step, checked before the payload is read, and every group's members prove it before any
+payload (`torchft_members.py`): a process without it is refused from the group, named, and nothing is exchanged with
+it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import io
@@ -30,15 +33,17 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..core.membership.elastic import MinWorkersTimeout, check_published_settings, check_same_sharding
-from ..core.membership.membership import LoadFn, RoundView, StateFn
+from ..core.membership.membership import DigestFn, LoadFn, RoundView, StateFn
 from ..core.settings.secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, elastic_secret
+from .torchft_members import MemberCheck, members_key, proof
+from .torchft_members import SecretMismatch as SecretMismatch  # raised by `begin_round`, importable from here
 
 logger = logging.getLogger(__name__)
 # How long one quorum request waits before it is sent again (a Lighthouse restarted at the same address answers only
@@ -60,6 +65,14 @@ class DuplicateReplicaId(RuntimeError):
 
 class QuorumTimeout(TimeoutError):
     """No quorum within `quorum_timeout`: the Lighthouse was lost, or too few workers reached it."""
+
+
+class UnsignedHealState(HealStateRefused):
+    """A state served for a heal that does not prove the job's secret (not signed with it, or not served to this
+    worker at all): its source is not a member of the job. Not loaded; the member check decides what follows."""
+
+
+REFUSED_STATE = {"hf_diloco_refused": 1}  # what torchft applies in place of a state that was refused
 
 
 class TorchftMembership:
@@ -136,7 +149,12 @@ class TorchftMembership:
         self._required = max(min_workers, start_workers)
         self._timeouts = (sync_timeout, quorum_timeout, connect_timeout)
         self._secret = elastic_secret(secret, insecure_no_secret)
+        self._key = members_key(self._secret)
+        self._members = MemberCheck(self, self._key, load_heal_state)
+        self._digest: DigestFn | None = None
+        self._state_dict: StateFn | None = None
         self.host = host or LOOPBACK
+        self._store_address: tuple[str, int] = (self.host, 0)
         if not host and not _is_loopback(self.lighthouse):
             logger.warning(
                 "the Lighthouse %s is not on this machine, but this worker's servers listen on %s, which only "
@@ -152,12 +170,13 @@ class TorchftMembership:
         self._store_socket: socket.socket | None = None
         self.earlier_members: list[str] = []  # the Lighthouse's last quorum when this worker came (`bind`)
 
-    def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
-        """Join the job: the Manager starts heartbeating to the Lighthouse from here on."""
+    def bind(self, state_dict: StateFn, load_state_dict: LoadFn, digest: DigestFn | None = None) -> None:
+        """Join the job: the Manager starts heartbeating to the Lighthouse from here on. `digest`: bytes that equal
+        on two workers exactly when the θg the next exchange uses does (compared in every group)."""
         from torchft import Manager, ProcessGroupGloo
 
         sync_timeout, quorum_timeout, connect_timeout = (timedelta(seconds=s) for s in self._timeouts)
-        self._load_state_dict = load_state_dict
+        self._load_state_dict, self._state_dict, self._digest = load_state_dict, state_dict, digest
         members: list[tuple[str, str]] = []
         if self.site_rank == 0:
             # The site's own store, on its rank 0: the Lighthouse announces it to the other workers as the
@@ -179,13 +198,15 @@ class TorchftMembership:
             # retry.
             self._check_live_settings(mine, sharding, [store for _, store in members])
             published = {**(mine or {}), "site_size": self.site_size, "sharding": sharding}
-            self._store.set(SETTINGS_KEY, json.dumps(published))
+            text = json.dumps(published, sort_keys=True)
+            self._store.set(SETTINGS_KEY, json.dumps({**published, "proof": proof(self._key, text)}))
         # Every rank of a site reads the same store and earlier members: its rank 0's.
         store_address, members = self._from_site_rank_zero(
             ((self.host, self._store.port if self._store else 0), members)
         )
         if self.site_rank > 0:
             self._store = dist.TCPStore(*store_address, is_master=False, timeout=connect_timeout)
+        self._store_address = store_address
         self.earlier_members = sorted({replica.split(":")[0] for replica, _ in members})
         self._pg = _group_per_quorum_and_step(ProcessGroupGloo)(self._heal, timeout=sync_timeout)
         with _servers_bound_to(self.host):
@@ -205,7 +226,9 @@ class TorchftMembership:
                 lighthouse_addr=self.lighthouse,
                 replica_id=self.replica_id,
                 hostname=self.host,
-                checkpoint_transport=_counting_http_transport(sync_timeout, self._heal, self.host, self._secret),
+                checkpoint_transport=_counting_http_transport(
+                    sync_timeout, self._heal, self.host, self._secret, lambda: self.manager.batches_committed()
+                ),
             )
         # The members of each quorum, for the duplicate-id check (torchft keeps them only in a local variable).
         self.manager._client = _RecordingClient(
@@ -217,8 +240,7 @@ class TorchftMembership:
         required workers are present or the group could not be rebuilt (a peer lost meanwhile: asked again)."""
         deadline = time.monotonic() + self.min_workers_timeout
         required, self._required = self._required, self.min_workers
-        view = healed = self._quorum()
-        self._check_quorum()
+        view = healed = self._members.members_only(self._checked_quorum())
         while True:
             # A site's ranks ask again together (each may see its own group fail), and time out together.
             unready = view.size < required or self._error() is not None or (view.group is None and view.size > 1)
@@ -233,21 +255,32 @@ class TorchftMembership:
                         f"Every worker must reach the others under their host names (this one is {self.host!r}; "
                         "set `host` to an address the others reach)."
                     )
+                refused = (
+                    f" ({len(view.refused)} more refused: {', '.join(view.refused)} did not prove the job's secret)"
+                    if view.refused
+                    else ""
+                )
                 raise MinWorkersTimeout(
                     f"only {view.size} of the {required} workers required (min_workers={self.min_workers}) joined "
-                    f"within min_workers_timeout={self.min_workers_timeout:g}s; start more workers against the "
-                    f"Lighthouse {self.lighthouse}, or lower min_workers."
+                    f"within min_workers_timeout={self.min_workers_timeout:g}s{refused}; start more workers against "
+                    f"the Lighthouse {self.lighthouse}, or lower min_workers."
                 )
             logger.warning("%d of %d workers present (%s); asking again", view.size, required, self._error() or "ok")
             time.sleep(self.poll_seconds)
-            view = self._quorum()
-            self._check_quorum()
+            view = self._members.members_only(self._checked_quorum())
             healed = view if view.healed else healed
         # At a job's first group torchft heals each rank of a site from its own primary (rank k's is member k mod
         # M), so some ranks of a site may heal and others not: every rank then writes θg into the model alike.
         (site_healed,) = self._site_any(healed.healed)
         if site_healed and not view.healed:
-            view = RoundView(view.group, view.rank, view.size, True, healed.heal_bytes, healed.heal_seconds)
+            view = dataclasses.replace(
+                view, healed=True, heal_bytes=healed.heal_bytes, heal_seconds=healed.heal_seconds
+            )
+        return view
+
+    def _checked_quorum(self) -> RoundView:
+        view = self._quorum()
+        self._check_quorum()
         return view
 
     def _from_site_rank_zero(self, value: object) -> object:
@@ -270,38 +303,11 @@ class TorchftMembership:
         """Stop at a refused heal (its state is never loaded) or at a second live worker under this worker's id."""
         if "refused" in self._heal:
             raise HealStateRefused(self._heal["refused"])
-        names = [replica.split(":")[0] for replica in self._heal.get("replica_ids", [])]
-        if names.count(self.replica_id) > 1:
-            message = (
-                f"two live workers joined the Lighthouse {self.lighthouse} as replica_id {self.replica_id!r}; give "
-                "every worker its own replica_id (a restarted worker may reuse its own once the old process is gone)."
-            )
-            if self._heal.get("heal"):  # the later one (it is behind, so it heals) stops; the other trains on
-                raise DuplicateReplicaId(message)
-            logger.error("%s This worker continues; the other one stops.", message)
+        _check_duplicate_id(self._heal, self.replica_id, self.lighthouse)
 
     def _check_live_settings(self, mine: dict | None, sharding: str, stores: list[str]) -> None:
-        """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field) or sites
-        of another number of ranks or sharding: what a member of the Lighthouse's last quorum (its store in `stores`) published,
-        read before this worker is a participant. Nothing to compare with (a fresh job, no member reachable): the
-        heal's own check remains."""
         timeout = min(self._timeouts[2], 10.0)
-        for address in stores:
-            peer = _published_settings(address, timeout)
-            if peer is None:
-                continue
-            theirs = int(peer.get("site_size", 1))
-            if theirs != self.site_size:
-                raise ValueError(
-                    f"The live sites run {theirs} rank(s) each and this site {self.replica_id!r} "
-                    f"{self.site_size}: rank k of a site exchanges with rank k of the others, so every site needs the "
-                    f"same number. Launch this site with {theirs} process(es) (torchrun --nproc_per_node {theirs}, "
-                    f"pipeline_stages x data_parallel_per_worker = {theirs})."
-                )
-            check_same_sharding(peer.get("sharding", "replicated"), sharding)
-            if mine is not None and ("settings" in peer or "fingerprint" in peer):
-                check_published_settings(mine, peer)
-            return
+        check_live_settings(mine, sharding, stores, self.site_size, self.replica_id, self._key, timeout)
 
     def progress(self) -> int:
         """The job's committed rounds as torchft counts them (equal on every member after a commit): what a
@@ -350,13 +356,66 @@ class TorchftMembership:
         except AssertionError:  # torchft: "process group not initialized" after a failed configure
             return None
 
+    @property
+    def refused(self) -> dict[str, int]:
+        """The processes refused from this worker's groups (they did not prove the job's secret), with the number of
+        groups each was refused in."""
+        return self._members.refused
+
     def _on_heal(self, state: dict) -> None:
+        if isinstance(state, dict) and state.get("hf_diloco_refused"):  # the source is not a member: nothing loaded
+            return
         self._heal["applied"] = True
         self._load_state_dict(state)
 
     def _error(self) -> str | None:
         error = self.manager.errored()
         return None if error is None else str(error.original_exception)
+
+
+def check_live_settings(
+    mine: dict | None, sharding: str, stores: list[str], site_size: int, replica_id: str, key: bytes, timeout: float
+) -> None:
+    """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field) or sites of
+    another number of ranks or sharding: what a member of the Lighthouse's last quorum (its store in `stores`)
+    published with the job's proof, read before this worker is a participant (settings without it, which a stranger
+    could publish to keep joiners out, are not compared). Nothing to compare with (a fresh job, no member reachable):
+    the heal's own check remains."""
+    for address in stores:
+        peer = _published_settings(address, timeout)
+        if peer is None:
+            continue
+        claimed = peer.pop("proof", None)
+        if not isinstance(claimed, str) or not hmac.compare_digest(
+            claimed, proof(key, json.dumps(peer, sort_keys=True))
+        ):
+            logger.warning("the settings published at %s do not prove the job's secret: not compared", address)
+            continue
+        theirs = int(peer.get("site_size", 1))
+        if theirs != site_size:
+            raise ValueError(
+                f"The live sites run {theirs} rank(s) each and this site {replica_id!r} {site_size}: rank k of a site "
+                "exchanges with rank k of the others, so every site needs the same number. Launch this site with "
+                f"{theirs} process(es) (torchrun --nproc_per_node {theirs}, pipeline_stages x data_parallel_per_worker "
+                f"= {theirs})."
+            )
+        check_same_sharding(peer.get("sharding", "replicated"), sharding)
+        if mine is not None and ("settings" in peer or "fingerprint" in peer):
+            check_published_settings(mine, peer)
+        return
+
+
+def _check_duplicate_id(quorum: dict, replica_id: str, lighthouse: str) -> None:
+    """Stop a worker that joined under the id of a live one (the later, which heals in `quorum`); the other logs it."""
+    names = [replica.split(":")[0] for replica in quorum.get("replica_ids", [])]
+    if names.count(replica_id) > 1:
+        message = (
+            f"two live workers joined the Lighthouse {lighthouse} as replica_id {replica_id!r}; give every worker its "
+            "own replica_id (a restarted worker may reuse its own once the old process is gone)."
+        )
+        if quorum.get("heal"):  # the later one (it is behind, so it heals) stops; the other trains on
+            raise DuplicateReplicaId(message)
+        logger.error("%s This worker continues; the other one stops.", message)
 
 
 def _settings_of(state: dict) -> dict | None:
@@ -396,11 +455,22 @@ def _published_settings(address: str, timeout: float) -> dict | None:
         return None
 
 
-def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: bytes | None = None) -> object:
+def _counting_http_transport(
+    timeout: timedelta,
+    sink: dict,
+    host: str,
+    secret: bytes | None = None,
+    committed: Callable[[], int] = lambda: 0,
+) -> object:
     """torchft's HTTP checkpoint transport, announced under `host`, serving each state sealed (`seal_heal_state`) and,
     with a secret, only to a request that proves it (`heal_request_proof`; any other gets 403 before a byte of state),
     loading what this worker receives safely and checking its seal (`open_heal_state`), and recording its bytes and
-    seconds (or why it was refused) in `sink`."""
+    seconds (or why it was refused) in `sink`.
+
+    A state that does not prove the job's secret (unsigned, or refused to this worker) is not loaded: torchft is given
+    `REFUSED_STATE` in its place, with the group's step and this worker's `committed()` batches, so that it neither
+    fails the group nor asks the same source again, and the member check (`_members_only`) decides whose state this
+    worker takes."""
     from torchft.checkpointing import HTTPTransport
 
     class CountingHTTPTransport(HTTPTransport):
@@ -411,6 +481,14 @@ def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: 
             address = f"{metadata}{step}/full"
             try:
                 return open_heal_state(self._load_from_address(address, timeout), step, secret, address)
+            except UnsignedHealState as refused:
+                sink.pop("refused", None)
+                sink["stranger"] = str(refused)
+                logger.warning("%s", refused)
+                return {
+                    "torchft": {"step": step, "batches_committed": committed()},
+                    "user": {"default": REFUSED_STATE},
+                }
             except HealStateRefused as refused:
                 sink["refused"] = str(refused)
                 raise
@@ -431,12 +509,11 @@ def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: 
             except urllib.error.HTTPError as error:
                 if error.code != 403:
                     raise
-                sink["refused"] = (
+                raise UnsignedHealState(
                     f"the worker at {address} refused to serve its state for a heal (HTTP 403): this worker did not "
                     "prove the job's secret to it (it holds another secret than the job's, or none). Give every "
                     f"worker the same secret ({SECRET_FILE_VARIABLE} or {SECRET_VARIABLE}), or stop this worker."
-                )
-                raise HealStateRefused(sink["refused"]) from None
+                ) from None
             sink["bytes"], sink["seconds"] = reader.count, time.perf_counter() - started
             return state
 
@@ -511,7 +588,7 @@ def open_heal_state(envelope: object, step: int, secret: bytes | None, source: s
     """The state inside a `seal_heal_state` envelope (read with `load_heal_state`), after checking its HMAC when this
     worker has a secret; `HealStateRefused` naming `source` otherwise, before the payload is read."""
     if not (isinstance(envelope, dict) and envelope.get("hf_diloco_heal") == 1 and "payload" in envelope):
-        raise HealStateRefused(
+        raise UnsignedHealState(
             f"refused the state served for a heal by {source}: it is not an hf_diloco heal envelope (another "
             "version of hf_diloco, or not an hf_diloco worker). Run the same hf_diloco version on every worker."
         )
@@ -519,7 +596,7 @@ def open_heal_state(envelope: object, step: int, secret: bytes | None, source: s
     if secret is not None:
         received = envelope.get("hmac")
         if not isinstance(received, str) or not hmac.compare_digest(received, _seal(payload, step, secret)):
-            raise HealStateRefused(
+            raise UnsignedHealState(
                 f"refused the state served for a heal by {source}: it is not signed with this job's secret (the "
                 f"peer has another secret, or none). Give every worker the same secret ({SECRET_FILE_VARIABLE} or "
                 f"{SECRET_VARIABLE}), or stop that peer."

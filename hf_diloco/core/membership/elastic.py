@@ -31,7 +31,9 @@ with rank k of the other sites; docs/design.md, "A site of several ranks").
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -145,7 +147,7 @@ class ElasticRounds:
         stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
         stats.exchange_retries = stats.heals = stats.heal_bytes = 0
         stats.heal_seconds = 0.0
-        membership.bind(self.global_state, self.load_global_state)
+        membership.bind(self.global_state, self.load_global_state, lambda: theta_digest(engine.fragments, self._phase))
 
     # ----------------------------------------------------------------------------------------------- the engine's
 
@@ -419,6 +421,19 @@ class ElasticRounds:
                 engine.overlap.apply_due(engine.fragments, flight.apply_at)
         else:  # every member joined during this round: there is nothing to average
             fragment.write_local(fragment.theta_g)
+
+
+def theta_digest(fragments: list[Fragment], phase: tuple[str, int, int] | None) -> bytes:
+    """Bytes equal on two workers exactly when the θg of the exchange being formed (`phase`'s fragment; every
+    fragment's at the join) is: the exact int64 sum of its float32 bits (integer addition, the same on any number of
+    threads) and every 1021st value, hashed. Cheap enough for every group: the membership compares it, so that members
+    holding different θg never average their rounds."""
+    digest = hashlib.sha256()
+    for fragment in fragments if phase is None else [fragments[phase[1]]]:
+        theta = fragment.theta_g.detach().float()
+        digest.update(struct.pack("<q", int(theta.view(torch.int32).sum(dtype=torch.int64))))
+        digest.update(theta[::1021].cpu().numpy().tobytes())
+    return digest.digest()
 
 
 def _count_membership(stats: EngineStats, view: RoundView) -> None:
