@@ -99,6 +99,7 @@ def render_model_card(
     training_log: Sequence[Mapping[str, Any]] | None = None,
     tokens_seen: int | None = None,
     membership: Mapping[str, Any] | None = None,
+    run_summary: Sequence[str] = (),
 ) -> str:
     """
     Render the model card of a model trained with DiLoCo.
@@ -135,6 +136,9 @@ def render_model_card(
         membership (`Mapping[str, Any]`, *optional*): with elastic workers, the run's membership history as
             `engine.elastic.log.summary()` gives it (exchanges, fewest and most workers, joins, drops, retries, heals);
             `None`: a fixed set of workers.
+        run_summary (`Sequence[str]`, *optional*): what the run met that a reader of the card must know, one
+            sentence each (`integrations.run_summary.closing_summary`: workers scaled down by robust aggregation,
+            processes refused from an elastic job); listed under the introduction.
 
     Returns:
         `str`: the card, YAML front matter included.
@@ -181,6 +185,7 @@ def render_model_card(
         "pipeline_stages": settings["pipeline_stages"],
         "data_parallel_per_worker": settings["data_parallel_per_worker"],
         "membership": _membership(membership),
+        "run_summary": "".join(f"**In this run:** {line}.\n\n" for line in run_summary),
         "world_size": num_workers * int(settings["pipeline_stages"]) * int(settings["data_parallel_per_worker"]),
         "data_description": data_description.strip() or NOT_RECORDED,
         "tokens_seen": _tokens(tokens_seen),

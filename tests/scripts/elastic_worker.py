@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--sync_delay", type=int, default=0)
     parser.add_argument("--merge_alpha", type=float, default=0.5)
     parser.add_argument("--error_feedback", action="store_true")
-    parser.add_argument("--robust_clip_factor", type=float, default=0.0)
+    parser.add_argument("--robust_clip_factor", type=float, default=None)  # None: the library's default
     parser.add_argument("--min_workers", type=int, default=1)
     parser.add_argument("--start_workers", type=int, default=1)
     parser.add_argument("--min_workers_timeout", type=float, default=60.0)
@@ -84,7 +84,7 @@ def main() -> None:
         sync_delay=cli.sync_delay,
         merge_alpha=cli.merge_alpha,
         error_feedback=cli.error_feedback,
-        robust_clip_factor=cli.robust_clip_factor,
+        **({} if cli.robust_clip_factor is None else {"robust_clip_factor": cli.robust_clip_factor}),
         compression_block_size=32,
         sync_timeout_seconds=cli.sync_timeout,
         round_policy=cli.round_policy,

@@ -371,7 +371,7 @@ class ElasticRounds:
             view.group, view.rank, view.size,
             contributes=fragment.index in self._contributing and (self._weight > 0 or not balanced),
             weight=self._weight if balanced else None,
-            step_seconds=engine.clock.median_step_seconds() if balanced else 0.0,
+            step_seconds=engine.clock.median_step_seconds() if balanced else 0.0, names=view.members,
         )  # fmt: skip
         what = "final outer sync" if final else "outer sync"
         description = (

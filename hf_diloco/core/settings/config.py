@@ -121,7 +121,8 @@ class DiLoCoConfig:
         pipeline_microbatches (`int`): micro-batches each batch is split into for the pipeline.
 
     Robustness:
-        robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the median norm.
+        robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the lower median norm
+            (on by default; 0 = off).
         divergence_factor (`float`): skip a round whose average's norm exceeds this multiple of the median norm of the
             fragment's last applied rounds (0 = off).
         first_round_factor (`float`): skip a round without a history (a fragment's first) whose average's largest
@@ -291,11 +292,11 @@ class DiLoCoConfig:
         metadata={"help": "Micro-batches per batch when pipeline_stages > 1 (1f1b needs >= pipeline_stages)."},
     )
     robust_clip_factor: float = field(
-        default=0.0,
+        default=5.0,
         metadata={
-            "help": "Robust aggregation: scale down a worker's pseudo-gradient whose norm exceeds this factor times "
-            "the (lower) median norm of the contributing workers (a worker that joined during the round is left out). "
-            "0 = off."
+            "help": "Robust aggregation, on by default: scale down a worker's pseudo-gradient whose norm exceeds this "
+            "factor times the lower median norm of the contributing workers (with two, the smaller; a worker that "
+            "joined during the round is left out), and name it. 0 = off."
         },
     )
     divergence_factor: float = field(
