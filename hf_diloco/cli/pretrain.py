@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..integrations.global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
 from ..integrations.output_lock import hold_output_folder
-from ..integrations.run_summary import check_processes_joined
+from ..integrations.run_summary import check_processes_joined, trained_apart
 from ..job.config_file import LoadedConfig
 from .auto_settings import AutoRequest, resolve_auto_values, say
 from .pretrain_arguments import parse_command_line, where_logs_go
@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     resume = args.resume_from_checkpoint
     if resume is None and command_line.auto_resume:
         resume = checkpoint_to_resume_from(args.output_dir, use_diloco)
+    metrics = None
     if resume is not None and _run_finished(resume, args, use_diloco):
         say_run_finished(args, resume)
     else:
@@ -69,7 +70,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     points.wait("the end of the job")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return exit_status(metrics, args.process_index == 0)
+
+
+def exit_status(metrics: dict | None, main_process: bool) -> int:
+    """0, or 3 for an elastic site whose last rounds ran alone: its model is not the job's (`trained_apart`)."""
+    if not metrics or not metrics.get("diloco_alone_rounds"):
+        return 0
+    if main_process:
+        apart = {"rounds": metrics["diloco_alone_rounds"], "from_round": metrics["diloco_alone_from_round"]}
+        print(f"hf-diloco: {trained_apart(metrics['diloco_site'], apart)}. Exit status 3.", file=sys.stderr)
+    return 3
 
 
 @dataclasses.dataclass
@@ -211,6 +222,11 @@ def train_and_evaluate(
     if args.process_index == 0:
         _record_final_model(args, trainer.state.global_step)
     metrics = {**train_result.metrics, **eval_metrics}
+    elastic = getattr(getattr(trainer, "diloco", None), "elastic", None)
+    if elastic is not None and elastic.log.apart() is not None:  # in all_results.json, and the exit status
+        apart = elastic.log.apart()
+        metrics.update(diloco_site=elastic.log.site, diloco_alone_rounds=apart["rounds"])
+        metrics["diloco_alone_from_round"] = apart["from_round"]
     trainer.log_metrics("all", metrics)
     trainer.save_metrics("all", metrics)
     if args.push_to_hub:

@@ -344,9 +344,16 @@ def _membership(summary: Mapping[str, Any] | None) -> str:
     fewest, most = summary["fewest_workers"], summary["most_workers"]
     workers = f"{most}" if fewest == most else f"{fewest}-{most}"
     healed = f"{summary['heals']} time(s), {_bytes(summary['heal_bytes'])}" if summary["heals"] else "never"
+    alone = (
+        f"; its last {summary['alone_rounds']} round(s), from round {summary['alone_from_round']}, ran alone: this "
+        "model differs from the job's"
+        if summary.get("alone_rounds")
+        else ""
+    )
     return (
         f"elastic: {summary['exchanges']} exchanges among {workers} workers; {summary['drops']} drop(s), "
-        f"{summary['joins']} join(s), {summary['retries']} exchange(s) retried; this worker healed from a peer {healed}"
+        f"{summary['joins']} join(s), {summary['retries']} exchange(s) retried; this worker healed from a peer "
+        f"{healed}{alone}"
     )
 
 
