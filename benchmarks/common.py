@@ -268,13 +268,17 @@ def all_reduce_gradients(model: torch.nn.Module, world: int) -> int:
     return sent
 
 
-def exchange_bytes(pattern: str, workers: int, payload_bytes: float, schedule_tag: bool = False) -> float:
+def exchange_bytes(
+    pattern: str, workers: int, payload_bytes: float, schedule_tag: bool = False, clip_norm: bool = False
+) -> float:
     """Bytes one rank sends to average a vector whose whole encoded payload is `payload_bytes`, by the definition of
     the `exchange_pattern`: `reduce_scatter` sends M - 1 chunks of 1/M of it, then its averaged chunk to the M - 1
     others (2 (M - 1) / M x payload); `all_gather` sends the whole payload to the M - 1 others ((M - 1) x payload).
-    `schedule_tag`: plus the tag an engine's exchange sends each peer first (lock-step check, 24 bytes)."""
+    `schedule_tag`: plus the tag an engine's exchange sends each peer first (lock-step check, 24 bytes);
+    `clip_norm`: plus the norm robust clipping (`robust_clip_factor`, on by default) all-gathers (fp32, 4 bytes)."""
     tag = (workers - 1) * ScheduleTag.NBYTES if schedule_tag else 0
-    return pattern_bytes(pattern, workers, payload_bytes) + tag
+    norm = (workers - 1) * 4 if clip_norm else 0
+    return pattern_bytes(pattern, workers, payload_bytes) + tag + norm
 
 
 def _ring_all_reduce_bytes(tensor: torch.Tensor, world: int) -> int:

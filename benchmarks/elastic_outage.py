@@ -401,6 +401,7 @@ class Job:
             argv += ["--attempt", str(attempt), "--slot", str(slot), "--rank", str(rank), "--out", str(self.out)]
             log = (self.out / f"{run}_{attempt}_{slot}_r{rank}.log").open("ab")
             env = dict(os.environ, RUST_LOG="warn", OMP_NUM_THREADS="1")
+            env.setdefault("HF_DILOCO_JOB_SECRET", "elastic-outage-benchmark")  # the job's secret, as a job has one
             process = subprocess.Popen(
                 [*self.network.exec_prefix(slot), *argv, *self.common, *site, *args],
                 env=env,

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "parameters": per_rank[0]["parameters"],
                     "payload_bytes": payload,
                     "bytes_per_sync": [r["bytes_per_sync"] for r in per_rank],
-                    "formula_bytes": exchange_bytes(pattern, workers, payload, schedule_tag=True),
+                    "formula_bytes": exchange_bytes(pattern, workers, payload, schedule_tag=True, clip_norm=True),
                     "sync_seconds": statistics.median(slowest),
                 }
             )

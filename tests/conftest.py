@@ -98,6 +98,7 @@ ELASTIC_MODULES = {
     "test_elastic_ddp_sites",
     "test_elastic_plugin",
     "test_elastic_pretrain",
+    "test_elastic_apart",
 }
 
 

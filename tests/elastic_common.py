@@ -17,6 +17,8 @@ import torch
 os.environ.setdefault("RUST_LOG", "warn")  # the Lighthouse in this process logs every quorum otherwise
 
 WORKER = Path(__file__).parent / "scripts" / "elastic_worker.py"
+# The job's secret every elastic test site holds (elastic membership refuses to start without one).
+JOB_SECRET = {"HF_DILOCO_JOB_SECRET": "elastic-tests-job-secret"}
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, H = 32, 4  # the worker's defaults here: inner steps of a run, and H
 
@@ -74,10 +76,19 @@ class ElasticJob:
         self.processes: dict[str, subprocess.Popen] = {}
         self.started = time.monotonic()
 
-    def start(self, slot: int, *args: str, name: str | None = None) -> subprocess.Popen:
+    def start(self, slot: int, *args: str, name: str | None = None, env: dict | None = None) -> subprocess.Popen:
+        """Worker `slot` (its log and events under `name`, by default worker<slot>); `env`: variables it gets on top
+        of this job's (another HF_DILOCO_JOB_SECRET makes it a stranger to the job)."""
         name = name or f"worker{slot}"
         log = (self.out / f"{name}.log").open("ab")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), RUST_LOG="warn", OMP_NUM_THREADS="1")
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "RUST_LOG": "warn",
+            "OMP_NUM_THREADS": "1",
+            **JOB_SECRET,
+            **(env or {}),
+        }
         argv = [sys.executable, str(WORKER), "--lighthouse", self.lighthouse.address(), "--slot", str(slot)]
         argv += ["--out", str(self.out), "--steps", str(STEPS), "--inner_steps", str(H), *args]
         self.processes[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)

@@ -22,7 +22,7 @@ def test_bytes_per_sync_match_the_pattern_formulas(tmp_path):
         padded = -(-numel // (m * 128)) * m * 128  # whole fp4 blocks of 128 values in each of the M chunks
         payload = padded // 2 + padded // 128 * 4  # 4-bit codes and an fp32 scale per block
         per_rank = 2 * (m - 1) / m * payload if row["pattern"] == "reduce_scatter" else (m - 1) * payload
-        per_rank += (m - 1) * 24  # the schedule tag every worker checks first
+        per_rank += (m - 1) * (24 + 4)  # the schedule tag every worker checks first, the norm robust clipping gathers
         assert row["payload_bytes"] == payload
         assert row["bytes_per_sync"] == [pytest.approx(per_rank)] * m
         assert row["sync_seconds"] > 0

@@ -238,7 +238,8 @@ def test_what_elastic_membership_does_not_run_is_refused_before_it_joins(setting
     from hf_diloco import DiLoCo, DiLoCoConfig
     from hf_diloco.backends.torchft_membership import TorchftMembership
 
-    membership = TorchftMembership("http://127.0.0.1:1", "worker0")  # never contacted: refused before joining
+    # Never contacted: refused before joining.
+    membership = TorchftMembership("http://127.0.0.1:1", "worker0", secret="s")
     model = tiny_model()
     with pytest.raises(ValueError, match="Elastic membership") as error:
         DiLoCo(model, None, DiLoCoConfig(inner_steps=4, **settings), membership=membership)

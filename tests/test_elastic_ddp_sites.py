@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from tests.elastic_common import ElasticJob
+from tests.elastic_common import JOB_SECRET, ElasticJob
 from tests.engine_common import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ class DdpSites(ElasticJob):
     """The Lighthouse in this process, and sites of two ranks each, each rank with its own event log."""
 
     def start_site(self, site: str, slot: int, *extra: str) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONPATH=str(REPO), RUST_LOG="warn", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=str(REPO), RUST_LOG="warn", OMP_NUM_THREADS="1", **JOB_SECRET)
         for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(variable, None)
         argv = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(SCRIPT), self.lighthouse.address()]

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.elastic_common import ElasticJob
+from tests.elastic_common import JOB_SECRET, ElasticJob
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "elastic_plugin_site.py"
@@ -36,6 +36,7 @@ class PluginSites(ElasticJob):
             DILOCO_MIN_WORKERS="2",
             DILOCO_START_WORKERS=str(start_workers),
             DILOCO_MIN_WORKERS_TIMEOUT="120",
+            **JOB_SECRET,
         )
         argv = [sys.executable, str(SCRIPT), "--use_cpu", "--max_steps", str(MAX_STEPS), "--pace", "0.05"]
         argv += ["--output_dir", str(self.out / name)]

@@ -20,7 +20,7 @@ import yaml
 from safetensors.torch import load_file
 
 from hf_diloco.job.config_file import shipped_config_text
-from tests.elastic_common import LighthouseProcess
+from tests.elastic_common import JOB_SECRET, LighthouseProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "tests" / "scripts" / "elastic_pretrain_site.py"
@@ -47,7 +47,7 @@ def _start_site(tmp_path: Path, lighthouse: str, site: str, run: str, **variable
     """A site as its own torchrun of two ranks, in a session of its own (so that it can be killed whole)."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("DILOCO_")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env.update(PYTHONPATH=str(ROOT), RUST_LOG="warn", **variables)
+    env.update(PYTHONPATH=str(ROOT), RUST_LOG="warn", **JOB_SECRET, **variables)
     argv = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(SITE), "--config", str(_config(tmp_path))]
     argv += ["--output_dir", str(tmp_path / site), "--use_cpu", "--lighthouse", lighthouse, "--site", site]
     argv += [

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.dist_utils import free_port
-from tests.elastic_common import sites_ended_alike
+from tests.elastic_common import JOB_SECRET, sites_ended_alike
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = REPO / "tests" / "scripts" / "elastic_trainer_site.py"
@@ -29,7 +29,8 @@ SITES = ["site-a", "site-b"]
 
 def site_environment(**variables: str) -> dict[str, str]:
     """The environment of a site launched on its own: this checkout, one thread, no launcher's rank variables."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **variables}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **JOB_SECRET}
+    env.update(variables)
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
     return env

@@ -144,3 +144,72 @@ def test_a_site_restarted_from_an_older_checkpoint_heals_from_the_live_one(job):
     assert resumed["step"] > 26 and resumed["theta_g"] == live[resumed["step"]]["theta_g"], resumed
     assert all(live[step]["workers"] == 2 for step in (36, 40))
     assert_same_global(job, ["worker0", "worker1"])
+
+
+STRANGER_ENV = {"HF_DILOCO_JOB_SECRET": "not-this-jobs-secret"}  # knows every address and port, not the secret
+
+
+def stranger_refused_everywhere(job: ElasticJob) -> None:
+    """What both start orders end with: the stranger stopped itself naming the way out; the two members trained
+    every round together and only together, named the stranger in their logs, and their θg is that of two workers
+    (the plain-torch reference): nothing of the stranger's reached it."""
+    codes = job.finish(timeout=180)
+    assert codes["worker0"] == 0 and codes["worker1"] == 0, {name: job.log(name) for name in codes}
+    assert codes["stranger"] != 0
+    assert (
+        "SecretMismatch: This worker could not verify 2 of the 2 other members of its group (worker0, worker1): they "
+        "do not prove this worker's secret. Most likely this worker holds another secret than the job's: give it "
+        "the job's secret (HF_DILOCO_JOB_SECRET_FILE or HF_DILOCO_JOB_SECRET), the same on every site; if those are "
+        "not the job's sites, stop them." in job.log("stranger")
+    ), job.log("stranger")
+    assert not (job.out / "final_stranger.pt").exists()
+    for name in ("worker0", "worker1"):
+        assert (
+            "refused stranger in this group: it does not prove the job's secret, so nothing is exchanged with it and "
+            "the exchange runs among the 2 member(s) that do" in (job.out / f"{name}.log").read_text()
+        ), job.log(name)
+        exchanges = [e for e in job.events(name) if e["kind"] == "exchange"]
+        assert [e["step"] for e in exchanges] == list(range(H, STEPS + 1, H)), exchanges
+        assert all(e["workers"] == 2 and e["contributors"] == 2 for e in exchanges), exchanges
+    theta = assert_same_global(job, ["worker0", "worker1"])
+    expected = reference({end: [0, 1] for end in range(H, STEPS + 1, H)})
+    for name, value in expected.items():
+        torch.testing.assert_close(theta[name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_stranger_joining_a_running_job_gets_nothing_and_puts_nothing_in(job):
+    """Two members train; a stranger (the same program, another secret) joins through the Lighthouse. Its heal is
+    refused by the member serving it (HTTP 403, before a byte of the state); the members' check refuses it from
+    their group before any payload, and it stops. The two train on, bit for bit as two workers alone."""
+    go = job.out / "stranger_bound"
+    members = ["--start_workers", "2", "--paced_seconds", "0.1", "--wait_at", "12", "--wait_file", str(go)]
+    job.start(0, *members)
+    job.start(1, *members)
+    job.wait_for("worker0", lambda e: e["kind"] == "step" and e["step"] == 12)
+    job.start(2, "--replica_id", "stranger", name="stranger", env=STRANGER_ENV)
+    job.wait_for("stranger", lambda e: e["kind"] == "bound")
+    go.touch()
+    stranger_refused_everywhere(job)
+    stranger = job.log("stranger")
+    assert "refused to serve its state for a heal (HTTP 403): this worker did not prove the job's secret" in stranger
+    assert "healed from a live peer" not in stranger
+    served = (job.out / "worker0.log").read_text() + (job.out / "worker1.log").read_text()
+    assert "refused a request for this worker's state from 127.0.0.1" in served
+
+
+def test_a_stranger_running_before_the_job_cannot_stop_it_nor_enter_it(job):
+    """A stranger (another secret) trains alone against the Lighthouse first; then the two members start. Their heal
+    from it (the only worker at the highest step) is refused by its server; neither loads anything of it, the check
+    refuses it, worker1 takes worker0's state, and the two train the job from worker0's weights, bit for bit as two
+    workers alone. The stranger, which met no member of its own, stops."""
+    job.start(2, "--replica_id", "stranger", "--steps", "400", "--paced_seconds", "0.1", name="stranger",
+              env=STRANGER_ENV)  # fmt: skip
+    job.wait_for("stranger", lambda e: e["kind"] == "step" and e["step"] == 8)
+    job.start(0, "--start_workers", "2")
+    job.start(1, "--start_workers", "2")
+    stranger_refused_everywhere(job)
+    for name in ("worker0", "worker1"):
+        log = (job.out / f"{name}.log").read_text()
+        assert "the settings published at " in log and "do not prove the job's secret: not compared" in log
+        assert "refused to serve its state for a heal (HTTP 403)" in log
+    assert "refused a request for this worker's state from 127.0.0.1" in (job.out / "stranger.log").read_text()

@@ -4,6 +4,7 @@ being skipped stops with an error instead of finishing with a dead model."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -25,7 +26,8 @@ def _diverging_worker(rank: int, world: int) -> dict:
     logging.getLogger("hf_diloco.core.rounds.rounds").addHandler(handler)
     model = tiny_model(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-    config = DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, max_skipped_rounds=2)
+    # The guard alone: robust clipping, on by default, would scale worker 1's blown-up rounds down first.
+    config = DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, max_skipped_rounds=2, robust_clip_factor=0)
     engine = DiLoCo(model, optimizer, config)
     records, theta_g, error = [], {}, None
     engine.add_observer(lambda record: records.append((record.step, record.rejected)))
@@ -53,9 +55,50 @@ def _diverging_worker(rank: int, world: int) -> dict:
     }
 
 
+def _poisoned_first_round(rank: int, factor: float | None) -> dict:
+    """The defaults (or `robust_clip_factor` = `factor`), two workers: worker 1's weights are all 15 before the first
+    exchange. θg before and after that exchange, worker 0's (honest) pseudo-gradient norm, the warnings, the stats
+    and the closing summary."""
+    from hf_diloco import DiLoCo, DiLoCoConfig
+    from hf_diloco.integrations.run_summary import closing_summary
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("hf_diloco.core.rounds.rounds").addHandler(handler)
+    model = tiny_model(layers=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
+    config = DiLoCoConfig(inner_steps=H) if factor is None else DiLoCoConfig(inner_steps=H, robust_clip_factor=factor)
+    engine = DiLoCo(model, optimizer, config)
+    before = torch.cat([v.flatten().clone() for v in engine.global_parameters().values()])
+    for t in range(1, H + 1):
+        inner_step(model, optimizer, rank, t)
+        if rank == 1 and t == 1:
+            with torch.no_grad():  # the issue's case: a worker whose weights are 15 before the first exchange
+                for param in model.parameters():
+                    param.fill_(15.0)
+        engine.step()
+    after = torch.cat([v.flatten().clone() for v in engine.global_parameters().values()])
+    logging.getLogger("hf_diloco.core.rounds.rounds").removeHandler(handler)
+    return {
+        "moved": float((after - before).norm()),
+        "largest": (float(before.abs().max()), float(after.abs().max())),
+        "pseudo_grad_norm": engine.stats["pseudo_grad_norm"],
+        "clipped_workers": dict(engine.stats.clipped_workers),
+        "messages": messages,
+        "summary": closing_summary(engine),
+        "config": (config.robust_clip_factor, config.outer_lr, config.outer_momentum),
+    }
+
+
 def _both_cases(rank: int, world: int) -> dict:
-    # One launch for both multi-process cases: spawning the processes costs more than either run.
-    return {"garbage": _garbage_before_the_first_exchange(rank, world), "diverging": _diverging_worker(rank, world)}
+    # One launch for every multi-process case: spawning the processes costs more than any run.
+    return {
+        "garbage": _garbage_before_the_first_exchange(rank, world),
+        "diverging": _diverging_worker(rank, world),
+        "poisoned": _poisoned_first_round(rank, None),
+        "poisoned_unclipped": _poisoned_first_round(rank, 0.0),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +173,8 @@ def _garbage_before_the_first_exchange(rank: int, world: int) -> dict:
 
     model = tiny_model(layers=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=INNER_LR)
-    engine = DiLoCo(model, optimizer, DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0))
+    config = DiLoCoConfig(inner_steps=H, outer_lr=1.0, outer_momentum=0.0, robust_clip_factor=0)  # the guard alone
+    engine = DiLoCo(model, optimizer, config)
     records, scales = [], [max(float(v.abs().max()) for v in engine.global_parameters().values())]
     engine.add_observer(lambda record: records.append((record.step, record.rejected)))
     for t in range(1, 2 * H + 1):
@@ -154,6 +198,37 @@ def test_garbage_weights_before_the_first_exchange_are_rejected_in_round_one(two
         assert result["skipped"] == 1
         initial, after_first, after_second = result["scales"]
         assert after_first == initial and after_second < 2 * initial, result["scales"]
+
+
+@pytest.mark.timeout(300)
+def test_a_poisoned_first_round_moves_theta_g_at_most_the_factor_times_an_honest_step_and_names_the_worker(
+    two_workers,
+):
+    """Issue 51's case on the defaults: worker 1's weights are 15 before the first exchange. Its pseudo-gradient,
+    thousands of times the honest one's norm, is scaled down to robust_clip_factor x the lower median (here worker 0's
+    norm), so θg moves by at most that factor times the step worker 0's pseudo-gradient alone makes (the first outer
+    step of Nesterov SGD moves θg by outer_lr x (1 + outer_momentum) x the average). Both workers name worker 1 in a
+    warning and in the run's closing summary. Without the defence (robust_clip_factor 0) the same round moves θg
+    hundreds of times further."""
+    for result in two_workers:
+        poisoned, unclipped = result["poisoned"], result["poisoned_unclipped"]
+        factor, outer_lr, momentum = poisoned["config"]
+        assert factor > 1  # the defence is on by default
+        honest_step = outer_lr * (1 + momentum) * two_workers[0]["poisoned"]["pseudo_grad_norm"]
+        assert poisoned["moved"] <= factor * honest_step, (poisoned["moved"], honest_step)
+        assert unclipped["moved"] > 100 * factor * honest_step, (unclipped["moved"], honest_step)
+        assert poisoned["largest"][1] < 2 * poisoned["largest"][0] < unclipped["largest"][1], (poisoned, unclipped)
+        assert poisoned["clipped_workers"] == {"worker 1": 1} and unclipped["clipped_workers"] == {}
+        [warning] = [m for m in poisoned["messages"] if m.startswith("robust aggregation")]
+        assert re.fullmatch(
+            r"robust aggregation scaled down the pseudo-gradient of worker 1 in the exchange of fragment 0 at inner "
+            r"step 2: its norm was [0-9.e+]+ x the lower median of the contributors' norms, above robust_clip_factor "
+            r"\(0 turns this defence off\)",
+            warning,
+        ), warning
+        assert poisoned["summary"] == [
+            f"robust aggregation scaled down the pseudo-gradient of worker 1 in 1 exchange (robust_clip_factor {factor:g})"
+        ]
 
 
 def test_a_round_without_history_is_bounded_by_theta_g_own_scale():

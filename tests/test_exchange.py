@@ -402,6 +402,19 @@ def test_robust_clip_scales_an_outlier_to_factor_times_median():
     assert [clipped for _, clipped in results] == [False, False, True]
 
 
+def test_robust_clip_names_every_outlier_alike_and_leaves_joiners_and_a_zero_median_alone():
+    """What every member computes from the gathered norms: its own scale and every outlier, named."""
+    from hf_diloco.core.exchange.exchange import clip_outliers
+
+    norms = torch.tensor([1.0, 1.2, 50.0, -1.0])  # the last member joined during the round: not in the median
+    scale, [(name, ratio)] = clip_outliers(norms, 2, 3.0)
+    assert (name, ratio, scale) == ("worker 2", pytest.approx(50.0 / 1.2), pytest.approx(3.0 * 1.2 / 50.0))
+    assert clip_outliers(norms, 0, 3.0) == (1.0, (("worker 2", ratio),))  # the others learn who, and keep theirs
+    assert clip_outliers(norms, 2, 3.0, ("a", "b", "site-c", "d"))[1] == (("site-c", ratio),)
+    assert clip_outliers(torch.tensor([0.0, 2.0]), 1, 3.0) == (1.0, ())  # a worker that moved nothing: no scale
+    assert clip_outliers(torch.tensor([1.0, float("inf")]), 1, 3.0) == (1.0, ())  # skipped everywhere instead
+
+
 def _clip_with_joiners(rank: int, world: int) -> list[tuple[torch.Tensor, bool, int | None]]:
     """Elastic membership with clipping: two contributors beside two joiners (norms 1, 1.2, then zeros), and three
     contributors (norms 1, 1.2, 50) beside one joiner."""

@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("torchft")
 
 HOST = "127.0.0.1"
+SECRET = "heal-trust-job-secret"  # the job's secret both workers hold, unless a test gives each its own
 
 HOSTILE_PEER = r"""
 import builtins, sys
@@ -106,6 +107,61 @@ def test_a_heal_state_holding_an_object_is_refused_and_nothing_runs(hostile_peer
         transport.shutdown(wait=False)
 
 
+STRANGER = r"""
+import sys, urllib.error, urllib.parse, urllib.request
+
+from hf_diloco.backends.torchft_membership import PROOF_HEADER, heal_request_proof
+
+url, secret = sys.argv[1], sys.argv[2]
+request = urllib.request.Request(url)
+if secret:  # a proof under a secret that is not the job's
+    request.add_header(PROOF_HEADER, heal_request_proof(urllib.parse.urlsplit(url).path, secret.encode()))
+try:
+    with urllib.request.urlopen(request, timeout=10) as response:
+        body = response.read()
+        print(response.status, len(body))
+except urllib.error.HTTPError as error:
+    print(error.code, len(error.read()))
+"""
+
+
+def test_a_heal_state_is_served_only_to_a_request_that_proves_the_jobs_secret(tmp_path):
+    """A worker serves its state (as torchft does while a peer heals). A stranger in another process, which knows the
+    address, the port and the step, asks for it without a proof and with a proof under another secret: both get 403
+    and none of the state's bytes; a member's transport, holding the secret, receives the state."""
+    from hf_diloco.backends.torchft_membership import REFUSED_STATE, _counting_http_transport, _servers_bound_to
+
+    served = {"user": {"default": {"global": [torch.full((4096,), 7.0)]}}, "torchft": {"step": 3}}
+    with _servers_bound_to(HOST):
+        server = _counting_http_transport(timedelta(seconds=10), {}, HOST, SECRET.encode())
+        member = _counting_http_transport(timedelta(seconds=10), {}, HOST, SECRET.encode())
+        other = _counting_http_transport(timedelta(seconds=10), sink := {}, HOST, b"another-secret")
+    try:
+        server.send_checkpoint([1], 3, served, timedelta(seconds=10))
+        url = f"{server.address()}3/full"
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+        for secret in ("", "another-secret"):
+            stranger = subprocess.run(
+                [sys.executable, "-c", STRANGER, url, secret], capture_output=True, text=True, env=env, timeout=60
+            )
+            status, length = stranger.stdout.split()
+            assert status == "403" and int(length) < 1000, stranger  # torchft's error page, not the 16 KB state
+        # A worker with another secret is refused the same way; it loads nothing and torchft applies a stand-in.
+        stand_in = other.recv_checkpoint(src_rank=0, metadata=server.address(), step=3, timeout=timedelta(seconds=10))
+        assert stand_in == {"torchft": {"step": 3, "batches_committed": 0}, "user": {"default": REFUSED_STATE}}
+        assert sink["stranger"] == (
+            f"the worker at {url} refused to serve its state for a heal (HTTP 403): this worker did not prove the "
+            "job's secret to it (it holds another secret than the job's, or none). Give every worker the same secret "
+            "(HF_DILOCO_JOB_SECRET_FILE or HF_DILOCO_JOB_SECRET), or stop this worker."
+        )
+        assert "bytes" not in sink and "refused" not in sink
+        state = member.recv_checkpoint(src_rank=0, metadata=server.address(), step=3, timeout=timedelta(seconds=10))
+        assert torch.equal(state["user"]["default"]["global"][0], served["user"]["default"]["global"][0])
+    finally:
+        for transport in (server, member, other):
+            transport.shutdown(wait=False)
+
+
 def listening_addresses() -> dict[int, str]:
     """Port -> local address of every socket this process listens on."""
     connections = psutil.Process().net_connections(kind="tcp")
@@ -113,30 +169,46 @@ def listening_addresses() -> dict[int, str]:
 
 
 def two_workers(
-    lighthouse: str, names: list[str], states: list, secrets: tuple = (None, None)
+    lighthouse: str,
+    names: list[str],
+    states: list,
+    secrets: tuple = (SECRET, SECRET),
+    min_workers: int = 2,
+    leave_on_error: bool = True,
 ) -> tuple[list, list, list, list]:
-    """Two `TorchftMembership`s joining at once (one thread each): their memberships, views, errors and the states
-    they loaded in a heal."""
+    """`TorchftMembership`s joining at once (one thread each; two unless more names are given): their memberships,
+    views, errors and the states they loaded in a heal. A worker whose `begin_round` raised leaves the job, as its
+    process would (`leave_on_error`)."""
     from hf_diloco.backends.torchft_membership import TorchftMembership
 
     memberships = [
         TorchftMembership(
-            lighthouse, name, min_workers=2, min_workers_timeout=30, sync_timeout=10, host=HOST, secret=secret
+            lighthouse,
+            name,
+            min_workers=min_workers,
+            min_workers_timeout=30,
+            sync_timeout=10,
+            quorum_timeout=20,
+            host=HOST,
+            secret=secret,
+            insecure_no_secret=secret is None,
         )
         for name, secret in zip(names, secrets)
     ]
     loaded: list = []
     for membership, state in zip(memberships, states):
         membership.bind(lambda state=state: state, loaded.append)
-    views, errors = [None, None], [None, None]
+    views, errors = [None] * len(names), [None] * len(names)
 
     def join(index: int) -> None:
         try:
             views[index] = memberships[index].begin_round()
         except Exception as error:  # noqa: BLE001 -- reported to the test
             errors[index] = error
+            if leave_on_error:
+                memberships[index].close()
 
-    threads = [threading.Thread(target=join, args=(index,)) for index in range(2)]
+    threads = [threading.Thread(target=join, args=(index,), daemon=True) for index in range(len(names))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -167,11 +239,14 @@ def test_a_torchft_heal_from_a_hostile_peer_is_refused_and_servers_listen_on_the
     marker = tmp_path / "executed"
     hostile = {"global": [torch.zeros(2)], "evil": Payload(marker)}
     started = time.monotonic()
-    memberships, views, errors, loaded = two_workers(lighthouse, ["site_a", "site_b"], [hostile, hostile])
+    memberships, views, errors, loaded = two_workers(
+        lighthouse, ["site_a", "site_b"], [hostile, hostile], min_workers=1, leave_on_error=False
+    )
     try:
         # At step 0 one worker heals from the other (torchft's first sync): that one refuses, nothing ran.
-        refused = [error for error in errors if error is not None]
-        assert len(refused) == 1 and isinstance(refused[0], HealStateRefused), errors
+        # (the other, left waiting for the refused one in its group, stops at its quorum_timeout: 20 s here)
+        refused = [error for error in errors if isinstance(error, HealStateRefused)]
+        assert len(refused) == 1, errors
         assert "objects other than tensors and plain containers" in str(refused[0])
         assert not marker.exists() and loaded == []
         listening = listening_addresses()
@@ -190,12 +265,15 @@ def test_two_live_workers_under_one_replica_id_are_refused(lighthouse):
     from hf_diloco.backends.torchft_membership import DuplicateReplicaId
 
     state = {"global": [torch.zeros(2)]}
-    memberships, views, errors, _ = two_workers(lighthouse, ["site_a", "site_a"], [state, state])
+    memberships, views, errors, _ = two_workers(lighthouse, ["site_a", "site_a"], [state, state], min_workers=1)
     try:
         duplicates = [error for error in errors if isinstance(error, DuplicateReplicaId)]
         assert len(duplicates) == 1, errors
         assert "two live workers joined the Lighthouse" in str(duplicates[0]) and "'site_a'" in str(duplicates[0])
-        assert sum(view is not None for view in views) == 1  # the worker that was there first trains on
+        # The worker that was there first is not refused: it waits for a group without the duplicate (which this
+        # Lighthouse, of --min_replicas 2, never forms: it stops at its quorum_timeout).
+        [first] = [error for error in errors if not isinstance(error, DuplicateReplicaId)]
+        assert first is None or "No quorum from the Lighthouse" in str(first), errors
     finally:
         for membership in memberships:
             membership.close()
@@ -212,19 +290,84 @@ def test_a_heal_is_checked_against_the_jobs_secret(lighthouse):
     assert any(torch.equal(state["global"][0], served["global"][0]) for served in states)
 
 
-def test_a_peer_with_another_secret_is_refused(lighthouse):
-    from hf_diloco.backends.torchft_membership import HealStateRefused
-
+def test_a_peer_with_another_secret_gets_no_state_and_is_refused_from_the_group(lighthouse):
+    """Two workers with different secrets meet at step 0: site_a serves site_b a heal, which site_a's server refuses
+    (403) before any byte of state; site_b does not stop, loads nothing, and the member check refuses each from the
+    other's group: each trains in a group of its own, naming the other."""
     state = {"global": [torch.zeros(2)]}
     memberships, views, errors, loaded = two_workers(
-        lighthouse, ["site_a", "site_b"], [state, state], ("alpha-secret-1", "beta-secret-2")
+        lighthouse, ["site_a", "site_b"], [state, state], ("alpha-secret-1", "beta-secret-2"), min_workers=1
     )
     for membership in memberships:
         membership.close()
-    refused = [error for error in errors if error is not None]
-    assert len(refused) == 1 and isinstance(refused[0], HealStateRefused), errors
-    assert "not signed with this job's secret" in str(refused[0]) and loaded == []
-    assert "secret-1" not in str(refused[0]) and "secret-2" not in str(refused[0])  # never in a message
+    assert errors == [None, None] and loaded == [], errors
+    assert [(view.size, view.refused, view.healed) for view in views] == [
+        (1, ("site_b",), False),
+        (1, ("site_a",), False),
+    ]
+    refusal = memberships[1]._heal["stranger"]
+    assert (
+        refusal.startswith("the worker at http://127.0.0.1:")
+        and "refused to serve its state for a heal (HTTP 403)" in refusal
+    )
+    assert "secret-1" not in refusal and "secret-2" not in refusal  # never in a message
+    assert memberships[0].refused == {"site_b": 1} and memberships[1].refused == {"site_a": 1}
+
+
+def test_a_heal_served_without_the_jobs_secret_is_refused_before_it_is_read(lighthouse):
+    """A peer run with insecure_no_secret serves its state unsigned (site_a, the first member, serves at step 0): the
+    healer, which holds the secret, does not read it, and refuses the peer from its group."""
+    state = {"global": [torch.zeros(2)]}
+    memberships, views, errors, loaded = two_workers(
+        lighthouse, ["site_a", "site_b"], [state, state], (None, SECRET), min_workers=1
+    )
+    for membership in memberships:
+        membership.close()
+    assert errors == [None, None] and loaded == [], errors
+    assert "it is not signed with this job's secret" in memberships[1]._heal["stranger"]
+    assert views[1].refused == ("site_a",) and views[1].size == 1
+
+
+def test_a_stranger_in_the_group_is_refused_before_any_payload_and_the_members_exchange_without_it(lighthouse):
+    """Two members and a stranger (another secret) form one torchft quorum. The stranger's heal is refused by the
+    member that serves it; the member check refuses the stranger in both members' groups, and the two exchange over a
+    group of their own (a real all-reduce between them). The stranger, which met no member of its own job, stops with
+    `SecretMismatch` naming the way out."""
+    from hf_diloco.backends.torchft_membership import SecretMismatch
+
+    state = {"global": [torch.zeros(2)]}
+    names, secrets = ["site_a", "site_b", "stranger"], (SECRET, SECRET, "stranger-secret")
+    memberships, views, errors, loaded = two_workers(lighthouse, names, [state] * 3, secrets, min_workers=2)
+    try:
+        assert errors[:2] == [None, None] and isinstance(errors[2], SecretMismatch), errors
+        assert str(errors[2]) == (
+            "This worker could not verify 2 of the 2 other members of its group (site_a, site_b): they do not prove "
+            "this worker's secret. Most likely this worker holds another secret than the job's: give it the job's "
+            "secret (HF_DILOCO_JOB_SECRET_FILE or HF_DILOCO_JOB_SECRET), the same on every site; if those are not "
+            "the job's sites, stop them."
+        )
+        assert [(view.size, view.members, view.refused) for view in views[:2]] == [
+            (2, ("site_a", "site_b"), ("stranger",)),
+            (2, ("site_a", "site_b"), ("stranger",)),
+        ]
+        assert "refused to serve its state for a heal (HTTP 403)" in memberships[2]._heal["stranger"]
+        assert len(loaded) == 1  # site_b's heal from site_a; nothing reached the stranger
+        sums = [None, None]
+
+        def reduce(index: int) -> None:
+            value = torch.tensor([float(index + 1)])
+            torch.distributed.all_reduce(value, group=views[index].group)
+            sums[index] = float(value)
+
+        threads = [threading.Thread(target=reduce, args=(index,)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=30)
+        assert sums == [3.0, 3.0]
+    finally:
+        for membership in memberships:
+            membership.close()
 
 
 @pytest.mark.timeout(60)

@@ -451,8 +451,8 @@ def _engine_run(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
 
 def _rank2_round_bytes(shapes: list[tuple]) -> int:
-    """Bytes one worker sends for one rank-2 fp32 round of these tensors: the schedule tag, P and the rest, then Q
-    (2 workers)."""
+    """Bytes one worker sends for one rank-2 fp32 round of these tensors: the schedule tag, the norm robust clipping
+    gathers (one fp32), P and the rest, then Q (2 workers)."""
     rows = cols = rest = 0
     for shape in shapes:
         numel = torch.Size(shape).numel()
@@ -460,7 +460,7 @@ def _rank2_round_bytes(shapes: list[tuple]) -> int:
             rows, cols = rows + shape[0], cols + numel // shape[0]
         else:
             rest += numel
-    return ScheduleTag.NBYTES + _wire_bytes(rows * 2 + rest, 2, 4) + _wire_bytes(cols * 2, 2, 4)
+    return ScheduleTag.NBYTES + 4 + _wire_bytes(rows * 2 + rest, 2, 4) + _wire_bytes(cols * 2, 2, 4)
 
 
 @pytest.mark.timeout(300)

@@ -15,6 +15,7 @@ from hf_diloco.core.settings.config import env_fields
 from hf_diloco.integrations.engine_session import check_one_process_per_site, membership_from_config
 
 ELASTIC = dict(lighthouse="http://10.0.0.5:29510", site="site-a")
+SECRET = "membership-config-test-secret"  # elastic membership refuses to start without the job's secret
 
 
 @pytest.mark.parametrize(
@@ -35,6 +36,39 @@ ELASTIC = dict(lighthouse="http://10.0.0.5:29510", site="site-a")
 def test_bad_membership_fields_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         DiLoCoConfig(**fields)
+
+
+@pytest.fixture(autouse=True)
+def job_secret(monkeypatch):
+    """Every site of these tests holds the job's secret, as elastic membership requires."""
+    monkeypatch.setenv("HF_DILOCO_JOB_SECRET", SECRET)
+    monkeypatch.delenv("HF_DILOCO_JOB_SECRET_FILE", raising=False)
+
+
+def test_elastic_membership_without_the_jobs_secret_is_refused_unless_the_insecure_mode_is_named(monkeypatch):
+    from hf_diloco.backends.torchft_membership import TorchftMembership
+
+    monkeypatch.delenv("HF_DILOCO_JOB_SECRET")
+    expected = (
+        "elastic membership (lighthouse) needs the job's secret, so that no process outside the job can join it, "
+        "read the global model through a heal or put anything into it: write it to a file only the job's user can "
+        "read and set HF_DILOCO_JOB_SECRET_FILE to that file (or set HF_DILOCO_JOB_SECRET) on every site, the same "
+        "on all of them. On a network nobody else can reach, insecure_no_secret: true runs without one."
+    )
+    with pytest.raises(ValueError) as refused:
+        membership_from_config(DiLoCoConfig(**ELASTIC), Topology.single_process())
+    assert str(refused.value) == expected
+    with pytest.raises(ValueError, match=r"needs the job's secret"):
+        TorchftMembership(ELASTIC["lighthouse"], "site-a")
+    insecure = membership_from_config(DiLoCoConfig(**ELASTIC, insecure_no_secret=True), Topology.single_process())
+    assert insecure.manager is None and insecure._secret is None
+
+
+def test_a_sites_servers_listen_on_loopback_unless_its_address_is_named():
+    config = DiLoCoConfig(**ELASTIC)
+    assert membership_from_config(config, Topology.single_process()).host == "127.0.0.1"
+    named = DiLoCoConfig(**ELASTIC, site_host="10.0.0.6")
+    assert membership_from_config(named, Topology.single_process()).host == "10.0.0.6"
 
 
 def test_membership_stays_out_of_the_fingerprint_so_sites_may_differ():
@@ -81,15 +115,47 @@ def test_a_launch_of_one_sites_data_parallel_ranks_is_one_membership_of_that_man
     assert membership.manager is None
 
 
-def test_a_site_of_another_number_of_ranks_is_refused_before_it_joins_naming_the_launch():
-    """A live site published its settings and its D (1 here) in its store: a joiner of D 2 stops before its Manager
-    exists (it would leave rank 1 of its site without a peer), naming the launch that fits."""
+def publish(store: torch.distributed.TCPStore, settings: dict, secret: str = SECRET) -> None:
+    """What a live site of the job (holding `secret`) publishes in its store for joiners."""
+    from hf_diloco.backends.torchft_members import members_key, proof
+    from hf_diloco.backends.torchft_membership import SETTINGS_KEY
+
+    signed = proof(members_key(secret.encode()), json.dumps(settings, sort_keys=True))
+    store.set(SETTINGS_KEY, json.dumps({**settings, "proof": signed}))
+
+
+def test_settings_a_stranger_publishes_are_not_compared(caplog):
+    """A stranger that publishes other settings (or none proven) in its store cannot keep a joiner out."""
     from hf_diloco.backends.torchft_membership import SETTINGS_KEY, TorchftMembership
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     config = DiLoCoConfig(**ELASTIC)
+    mine = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
+    other = DiLoCoConfig(**ELASTIC, inner_steps=7)
+    theirs = {"settings": other.shared_settings(), "fingerprint": other.fingerprint(), "site_size": 1}
+    joiner = TorchftMembership(ELASTIC["lighthouse"], "site-b")
+    for published in ({**theirs, "proof": "0" * 64}, theirs):
+        store.set(SETTINGS_KEY, json.dumps(published))
+        joiner._check_live_settings(mine, "replicated", [f"127.0.0.1:{store.port}"])  # not compared: joins
+    assert (
+        f"the settings published at 127.0.0.1:{store.port} do not prove the job's secret: not compared" in caplog.text
+    )
+    publish(store, theirs, secret="a stranger's secret")
+    joiner._check_live_settings(mine, "replicated", [f"127.0.0.1:{store.port}"])
+    publish(store, theirs)  # the same settings from a member: refused, naming the field
+    with pytest.raises(ValueError, match=r"inner_steps: 7 in the peer, 100 in this worker"):
+        joiner._check_live_settings(mine, "replicated", [f"127.0.0.1:{store.port}"])
+
+
+def test_a_site_of_another_number_of_ranks_is_refused_before_it_joins_naming_the_launch():
+    """A live site published its settings and its D (1 here) in its store: a joiner of D 2 stops before its Manager
+    exists (it would leave rank 1 of its site without a peer), naming the launch that fits."""
+    from hf_diloco.backends.torchft_membership import TorchftMembership
+
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    config = DiLoCoConfig(**ELASTIC)
     published = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
-    store.set(SETTINGS_KEY, json.dumps({**published, "site_size": 1}))
+    publish(store, {**published, "site_size": 1})
     joiner = TorchftMembership(ELASTIC["lighthouse"], "site-b", site_rank=0, site_size=2, site_group=object())
     with pytest.raises(ValueError, match=r"live sites run 1 rank\(s\) each and this site 'site-b' 2"):
         joiner._check_live_settings(published, "replicated", [f"127.0.0.1:{store.port}"])
@@ -105,16 +171,16 @@ def test_a_site_of_another_number_of_ranks_is_refused_before_it_joins_naming_the
 def test_a_site_that_shards_the_model_otherwise_is_refused_before_it_joins_naming_the_launch():
     """A live site of two replicated (DDP) ranks published its sharding: an FSDP site of two ranks stops before its
     Manager exists (rank k's share of θg would be other values on each), and so does the reverse."""
-    from hf_diloco.backends.torchft_membership import SETTINGS_KEY, TorchftMembership
+    from hf_diloco.backends.torchft_membership import TorchftMembership
 
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     config = DiLoCoConfig(**ELASTIC, data_parallel_per_worker=2)
     published = {"settings": config.shared_settings(), "fingerprint": config.fingerprint()}
-    store.set(SETTINGS_KEY, json.dumps({**published, "site_size": 2, "sharding": "replicated"}))
+    publish(store, {**published, "site_size": 2, "sharding": "replicated"})
     joiner = TorchftMembership(ELASTIC["lighthouse"], "site-b", site_rank=0, site_size=2, site_group=object())
     with pytest.raises(ValueError, match=r"live sites hold the model replicated .* this site fsdp.*without FSDP"):
         joiner._check_live_settings(published, "fsdp", [f"127.0.0.1:{store.port}"])
-    store.set(SETTINGS_KEY, json.dumps({**published, "site_size": 2, "sharding": "fsdp"}))
+    publish(store, {**published, "site_size": 2, "sharding": "fsdp"})
     with pytest.raises(ValueError, match=r"this site replicated.*with the Trainer's fsdp arguments"):
         joiner._check_live_settings(published, "replicated", [f"127.0.0.1:{store.port}"])
     joiner._check_live_settings(published, "fsdp", [f"127.0.0.1:{store.port}"])  # the same sharding: joins

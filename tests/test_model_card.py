@@ -67,6 +67,24 @@ def test_membership_is_fixed_or_the_elastic_history():
         "elastic: 8 exchanges among 2-3 workers; 1 drop(s), 1 join(s), 1 exchange(s) retried; this worker healed "
         "from a peer 1 time(s), 363.93 KB (363,932 bytes)"
     )
+    apart = render_model_card(
+        _settings(), COMMUNICATION, "d", None, None, membership={**history, "alone_rounds": 4, "alone_from_round": 9}
+    )
+    assert _table_value(apart, "Worker membership").endswith(
+        "; its last 4 round(s), from round 9, ran alone: this model differs from the job's"
+    )
+
+
+def test_what_the_run_met_is_said_under_the_introduction():
+    lines = [
+        "robust aggregation scaled down the pseudo-gradient of worker 1 in 2 exchanges (robust_clip_factor 5)",
+        "site-a trained 4 rounds alone from round 9 to its end: its model differs from the job's (no other site was "
+        "in its exchanges since)",
+    ]
+    card = render_model_card(_settings(), COMMUNICATION, "d", None, None, run_summary=lines)
+    introduction, rest = card.split("## Evaluation results", 1)
+    assert introduction.endswith(f"copy.\n\n**In this run:** {lines[0]}.\n\n**In this run:** {lines[1]}.\n\n")
+    assert "**In this run:**" not in render_model_card(_settings(), COMMUNICATION, "d", None, None)
 
 
 def test_settings_and_data_rendered():

@@ -400,6 +400,10 @@ def test_bad_input_is_refused_by_the_command_before_any_work(one_process, tmp_pa
                       r"512.*but the config now says .*'vocab_size': 600"),
         "locked": ([], {}, r"The output folder .*locked is in use by another job: pid \d+ on host .*Wait for it to "
                    r"finish .*or give this run its own folder with --output_dir"),
+        "no_secret": (["--lighthouse", "http://127.0.0.1:1", "--site", "site-a"],
+                      {"HF_DILOCO_JOB_SECRET": "", "HF_DILOCO_JOB_SECRET_FILE": ""},
+                      r"elastic membership \(lighthouse\) needs the job's secret, so that no process outside the job "
+                      r"can join it, .* insecure_no_secret: true runs without one\."),
     }  # fmt: skip
     before = _snapshot(existing)
     commands = []

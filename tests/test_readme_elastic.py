@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.dist_utils import free_port
-from tests.elastic_common import sites_ended_alike
+from tests.elastic_common import JOB_SECRET, sites_ended_alike
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = REPO / "tests" / "scripts" / "readme_elastic_snippet.py"
@@ -26,7 +26,7 @@ def run_sites(folder: Path, die_at: int | None = None) -> tuple[list[int], dict[
     """A Lighthouse and the two sites running the snippet in `folder` (dying at `die_at`); then the Lighthouse is
     stopped too. Their exit codes and logs."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **JOB_SECRET}
     command = [str(LIGHTHOUSE), "--min_replicas", "1", "--join_timeout_ms", "60000", "--bind", f"127.0.0.1:{port}"]
     lighthouse = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     sites = []

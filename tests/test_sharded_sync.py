@@ -158,7 +158,8 @@ def test_bf16_replicas_share_updates_bitwise_in_their_dtype_on_the_training_grou
             assert result["local"][name].dtype == torch.bfloat16
             assert torch.equal(result["local"][name], value.to(torch.bfloat16)), name
     # Per fragment: 2 rounds (each written once, merged) and close()'s tail, each with the verdict's agreement of three
-    # float64s; a write all-gathers (D - 1) x the longest window of bf16 values, rank 0's (the last rank's is short).
+    # float64s and the squared norm robust clipping combines over the worker's ranks (one float64); a write
+    # all-gathers (D - 1) x the longest window of bf16 values, rank 0's (the last rank's is short).
     stats = results[0]["stats"]
     assert stats["outer_steps"] == 4 and stats["final_syncs"] == 2
     granularity = results[0]["granularity"]
@@ -167,7 +168,7 @@ def test_bf16_replicas_share_updates_bitwise_in_their_dtype_on_the_training_grou
         span = -(-numel // granularity) * granularity // 2
         rank0 = min(span, numel)
         windows = [min(window, rank0 - begin) for begin in range(0, rank0, window)]
-        expected += 3 * ((2 - 1) * sum(windows) * 2 + (2 - 1) * 3 * 8)
+        expected += 3 * ((2 - 1) * sum(windows) * 2 + (2 - 1) * (3 + 1) * 8)
     for result in results:
         assert result["stats"]["bytes_sent_intra_worker"] == expected
 

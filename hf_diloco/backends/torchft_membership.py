@@ -7,19 +7,22 @@ worker reaches, on a private address (`torchft_lighthouse --min_replicas 1 --joi
 
 What a worker trusts: the state it heals from is loaded with `weights_only=True` (tensors and plain containers only;
 anything else, a pickled object with a `__reduce__` included, is refused with `HealStateRefused` before it runs), and
-its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only. With a shared job
-secret (`secret=`, or the file named by `HF_DILOCO_JOB_SECRET_FILE`, or `HF_DILOCO_JOB_SECRET`) every heal payload
-carries an HMAC-SHA256 of its bytes and step, checked before the payload is read. Joining is not authenticated: any
-process that reaches the Lighthouse and the workers' ports can join the quorum and send (wrong) pseudo-gradients, so
-run the job inside a private network (a VPN between sites).
+its servers (rendezvous store, checkpoint server, Manager) listen on the address of `host` only (127.0.0.1 unless
+named). The job's secret (`secret=`, or the file named by `HF_DILOCO_JOB_SECRET_FILE`, or `HF_DILOCO_JOB_SECRET`) is
+required unless `insecure_no_secret`: a heal state is served only to a request that proves it and carries an
+HMAC-SHA256 of its bytes and step, checked before the payload is read, and every group's members prove it before any
+payload (`torchft_members.py`): a process without it is refused from the group, named, and nothing is exchanged with
+it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import io
+import ipaddress
 import json
 import logging
 import os
@@ -27,22 +30,28 @@ import pickle
 import re
 import socket
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from ..core.membership.elastic import MinWorkersTimeout, check_published_settings, check_same_sharding
-from ..core.membership.membership import LoadFn, RoundView, StateFn
-from ..core.settings.secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, job_secret
+from ..core.membership.membership import DigestFn, LoadFn, RoundView, StateFn
+from ..core.settings.secret import SECRET_FILE_VARIABLE, SECRET_VARIABLE, elastic_secret
+from .torchft_members import MemberCheck, members_key, proof
+from .torchft_members import SecretMismatch as SecretMismatch  # raised by `begin_round`, importable from here
 
 logger = logging.getLogger(__name__)
 # How long one quorum request waits before it is sent again (a Lighthouse restarted at the same address answers only
 # requests made after it came back); `quorum_timeout` bounds them all.
 QUORUM_ATTEMPT_SECONDS = 10.0
 SETTINGS_KEY = "hf_diloco/settings"  # in each worker's own store: its DiLoCo settings, read by a joiner
+PROOF_HEADER = "X-HF-DiLoCo-Proof"  # a heal request's proof of the job's secret (`heal_request_proof`)
+LOOPBACK = "127.0.0.1"  # where a worker's servers listen unless `host` names the address other sites reach
 os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at INFO otherwise
 
 
@@ -56,6 +65,14 @@ class DuplicateReplicaId(RuntimeError):
 
 class QuorumTimeout(TimeoutError):
     """No quorum within `quorum_timeout`: the Lighthouse was lost, or too few workers reached it."""
+
+
+class UnsignedHealState(HealStateRefused):
+    """A state served for a heal that does not prove the job's secret (not signed with it, or not served to this
+    worker at all): its source is not a member of the job. Not loaded; the member check decides what follows."""
+
+
+REFUSED_STATE = {"hf_diloco_refused": 1}  # what torchft applies in place of a state that was refused
 
 
 class TorchftMembership:
@@ -84,16 +101,20 @@ class TorchftMembership:
         connect_timeout: the bound of reaching the Lighthouse and a peer's manager, in seconds.
         poll_seconds: the pause between two quorums while too few workers are present.
         host: the name or address the other workers reach this one at (its group's rendezvous store is announced
-            under it); by default this machine's host name, which must resolve to a reachable address at every site.
-            The worker's store, checkpoint server and Manager listen on this address only (not on every interface).
-        site_rank: this process's rank among the site's ranks (its worker's pipeline stages and data-parallel
-            ranks, in the topology's order); rank k of a site exchanges with rank k of the others.
-        site_size: the number of the site's ranks (every site of the job must have the same).
+            under it); 127.0.0.1 by default, which only workers on this machine reach: name this machine's address
+            on the sites' network for a job of several machines. The worker's store, checkpoint server and Manager
+            listen on this address only (not on every interface).
+        site_rank, site_size: this process's rank among the site's ranks (its worker's pipeline stages and
+            data-parallel ranks, in the topology's order), and their number (every site
+            of the job must have the same; rank k of a site exchanges with rank k of the others).
         site_group: a gloo group of the site's ranks (its rank 0 first), where rank 0 hands the others the site's
             store and the ranks agree whether to ask for a quorum again; None for a site of one process.
         secret: the job's shared secret (the same on every worker; never logged or saved): the state this worker
             serves for a heal is signed with it and the state it heals from must be. By default the contents of the
-            file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`, else none (payloads unsigned).
+            file `$HF_DILOCO_JOB_SECRET_FILE`, else `$HF_DILOCO_JOB_SECRET`; none is refused with a `ValueError`
+            unless `insecure_no_secret`.
+        insecure_no_secret: run without a secret, on a network nobody else can reach: heals and members are then
+            not authenticated.
     """
 
     def __init__(
@@ -112,6 +133,7 @@ class TorchftMembership:
         site_rank: int = 0,
         site_size: int = 1,
         site_group: dist.ProcessGroup | None = None,
+        insecure_no_secret: bool = False,
     ):
         if min_workers < 1 or start_workers < 1:
             raise ValueError(f"min_workers and start_workers must be at least 1; got {min_workers}, {start_workers}.")
@@ -126,8 +148,20 @@ class TorchftMembership:
         self.min_workers, self.min_workers_timeout, self.poll_seconds = min_workers, min_workers_timeout, poll_seconds
         self._required = max(min_workers, start_workers)
         self._timeouts = (sync_timeout, quorum_timeout, connect_timeout)
-        self.host = host or socket.gethostname()
-        self._secret = job_secret(secret)
+        self._secret = elastic_secret(secret, insecure_no_secret)
+        self._key = members_key(self._secret)
+        self._members = MemberCheck(self, self._key, load_heal_state)
+        self._digest: DigestFn | None = None
+        self._state_dict: StateFn | None = None
+        self.host = host or LOOPBACK
+        self._store_address: tuple[str, int] = (self.host, 0)
+        if not host and not _is_loopback(self.lighthouse):
+            logger.warning(
+                "the Lighthouse %s is not on this machine, but this worker's servers listen on %s, which only "
+                "workers on this machine reach: set host (site_host) to the address the other sites reach this one at.",
+                self.lighthouse,
+                LOOPBACK,
+            )
         self._heal: dict = {}
         self._load_state_dict: LoadFn | None = None
         self.manager = None
@@ -136,12 +170,13 @@ class TorchftMembership:
         self._store_socket: socket.socket | None = None
         self.earlier_members: list[str] = []  # the Lighthouse's last quorum when this worker came (`bind`)
 
-    def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
-        """Join the job: the Manager starts heartbeating to the Lighthouse from here on."""
+    def bind(self, state_dict: StateFn, load_state_dict: LoadFn, digest: DigestFn | None = None) -> None:
+        """Join the job: the Manager starts heartbeating to the Lighthouse from here on. `digest`: bytes that equal
+        on two workers exactly when the θg the next exchange uses does (compared in every group)."""
         from torchft import Manager, ProcessGroupGloo
 
         sync_timeout, quorum_timeout, connect_timeout = (timedelta(seconds=s) for s in self._timeouts)
-        self._load_state_dict = load_state_dict
+        self._load_state_dict, self._state_dict, self._digest = load_state_dict, state_dict, digest
         members: list[tuple[str, str]] = []
         if self.site_rank == 0:
             # The site's own store, on its rank 0: the Lighthouse announces it to the other workers as the
@@ -163,13 +198,15 @@ class TorchftMembership:
             # retry.
             self._check_live_settings(mine, sharding, [store for _, store in members])
             published = {**(mine or {}), "site_size": self.site_size, "sharding": sharding}
-            self._store.set(SETTINGS_KEY, json.dumps(published))
+            text = json.dumps(published, sort_keys=True)
+            self._store.set(SETTINGS_KEY, json.dumps({**published, "proof": proof(self._key, text)}))
         # Every rank of a site reads the same store and earlier members: its rank 0's.
         store_address, members = self._from_site_rank_zero(
             ((self.host, self._store.port if self._store else 0), members)
         )
         if self.site_rank > 0:
             self._store = dist.TCPStore(*store_address, is_master=False, timeout=connect_timeout)
+        self._store_address = store_address
         self.earlier_members = sorted({replica.split(":")[0] for replica, _ in members})
         self._pg = _group_per_quorum_and_step(ProcessGroupGloo)(self._heal, timeout=sync_timeout)
         with _servers_bound_to(self.host):
@@ -189,7 +226,9 @@ class TorchftMembership:
                 lighthouse_addr=self.lighthouse,
                 replica_id=self.replica_id,
                 hostname=self.host,
-                checkpoint_transport=_counting_http_transport(sync_timeout, self._heal, self.host, self._secret),
+                checkpoint_transport=_counting_http_transport(
+                    sync_timeout, self._heal, self.host, self._secret, lambda: self.manager.batches_committed()
+                ),
             )
         # The members of each quorum, for the duplicate-id check (torchft keeps them only in a local variable).
         self.manager._client = _RecordingClient(
@@ -201,8 +240,7 @@ class TorchftMembership:
         required workers are present or the group could not be rebuilt (a peer lost meanwhile: asked again)."""
         deadline = time.monotonic() + self.min_workers_timeout
         required, self._required = self._required, self.min_workers
-        view = healed = self._quorum()
-        self._check_quorum()
+        view = healed = self._members.members_only(self._checked_quorum())
         while True:
             # A site's ranks ask again together (each may see its own group fail), and time out together.
             unready = view.size < required or self._error() is not None or (view.group is None and view.size > 1)
@@ -217,21 +255,32 @@ class TorchftMembership:
                         f"Every worker must reach the others under their host names (this one is {self.host!r}; "
                         "set `host` to an address the others reach)."
                     )
+                refused = (
+                    f" ({len(view.refused)} more refused: {', '.join(view.refused)} did not prove the job's secret)"
+                    if view.refused
+                    else ""
+                )
                 raise MinWorkersTimeout(
                     f"only {view.size} of the {required} workers required (min_workers={self.min_workers}) joined "
-                    f"within min_workers_timeout={self.min_workers_timeout:g}s; start more workers against the "
-                    f"Lighthouse {self.lighthouse}, or lower min_workers."
+                    f"within min_workers_timeout={self.min_workers_timeout:g}s{refused}; start more workers against "
+                    f"the Lighthouse {self.lighthouse}, or lower min_workers."
                 )
             logger.warning("%d of %d workers present (%s); asking again", view.size, required, self._error() or "ok")
             time.sleep(self.poll_seconds)
-            view = self._quorum()
-            self._check_quorum()
+            view = self._members.members_only(self._checked_quorum())
             healed = view if view.healed else healed
         # At a job's first group torchft heals each rank of a site from its own primary (rank k's is member k mod
         # M), so some ranks of a site may heal and others not: every rank then writes θg into the model alike.
         (site_healed,) = self._site_any(healed.healed)
         if site_healed and not view.healed:
-            view = RoundView(view.group, view.rank, view.size, True, healed.heal_bytes, healed.heal_seconds)
+            view = dataclasses.replace(
+                view, healed=True, heal_bytes=healed.heal_bytes, heal_seconds=healed.heal_seconds
+            )
+        return view
+
+    def _checked_quorum(self) -> RoundView:
+        view = self._quorum()
+        self._check_quorum()
         return view
 
     def _from_site_rank_zero(self, value: object) -> object:
@@ -254,38 +303,11 @@ class TorchftMembership:
         """Stop at a refused heal (its state is never loaded) or at a second live worker under this worker's id."""
         if "refused" in self._heal:
             raise HealStateRefused(self._heal["refused"])
-        names = [replica.split(":")[0] for replica in self._heal.get("replica_ids", [])]
-        if names.count(self.replica_id) > 1:
-            message = (
-                f"two live workers joined the Lighthouse {self.lighthouse} as replica_id {self.replica_id!r}; give "
-                "every worker its own replica_id (a restarted worker may reuse its own once the old process is gone)."
-            )
-            if self._heal.get("heal"):  # the later one (it is behind, so it heals) stops; the other trains on
-                raise DuplicateReplicaId(message)
-            logger.error("%s This worker continues; the other one stops.", message)
+        _check_duplicate_id(self._heal, self.replica_id, self.lighthouse)
 
     def _check_live_settings(self, mine: dict | None, sharding: str, stores: list[str]) -> None:
-        """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field) or sites
-        of another number of ranks or sharding: what a member of the Lighthouse's last quorum (its store in `stores`) published,
-        read before this worker is a participant. Nothing to compare with (a fresh job, no member reachable): the
-        heal's own check remains."""
         timeout = min(self._timeouts[2], 10.0)
-        for address in stores:
-            peer = _published_settings(address, timeout)
-            if peer is None:
-                continue
-            theirs = int(peer.get("site_size", 1))
-            if theirs != self.site_size:
-                raise ValueError(
-                    f"The live sites run {theirs} rank(s) each and this site {self.replica_id!r} "
-                    f"{self.site_size}: rank k of a site exchanges with rank k of the others, so every site needs the "
-                    f"same number. Launch this site with {theirs} process(es) (torchrun --nproc_per_node {theirs}, "
-                    f"pipeline_stages x data_parallel_per_worker = {theirs})."
-                )
-            check_same_sharding(peer.get("sharding", "replicated"), sharding)
-            if mine is not None and ("settings" in peer or "fingerprint" in peer):
-                check_published_settings(mine, peer)
-            return
+        check_live_settings(mine, sharding, stores, self.site_size, self.replica_id, self._key, timeout)
 
     def progress(self) -> int:
         """The job's committed rounds as torchft counts them (equal on every member after a commit): what a
@@ -334,13 +356,66 @@ class TorchftMembership:
         except AssertionError:  # torchft: "process group not initialized" after a failed configure
             return None
 
+    @property
+    def refused(self) -> dict[str, int]:
+        """The processes refused from this worker's groups (they did not prove the job's secret), with the number of
+        groups each was refused in."""
+        return self._members.refused
+
     def _on_heal(self, state: dict) -> None:
+        if isinstance(state, dict) and state.get("hf_diloco_refused"):  # the source is not a member: nothing loaded
+            return
         self._heal["applied"] = True
         self._load_state_dict(state)
 
     def _error(self) -> str | None:
         error = self.manager.errored()
         return None if error is None else str(error.original_exception)
+
+
+def check_live_settings(
+    mine: dict | None, sharding: str, stores: list[str], site_size: int, replica_id: str, key: bytes, timeout: float
+) -> None:
+    """Refuse to join live workers that run with other DiLoCo settings (`ValueError` naming each field) or sites of
+    another number of ranks or sharding: what a member of the Lighthouse's last quorum (its store in `stores`)
+    published with the job's proof, read before this worker is a participant (settings without it, which a stranger
+    could publish to keep joiners out, are not compared). Nothing to compare with (a fresh job, no member reachable):
+    the heal's own check remains."""
+    for address in stores:
+        peer = _published_settings(address, timeout)
+        if peer is None:
+            continue
+        claimed = peer.pop("proof", None)
+        if not isinstance(claimed, str) or not hmac.compare_digest(
+            claimed, proof(key, json.dumps(peer, sort_keys=True))
+        ):
+            logger.warning("the settings published at %s do not prove the job's secret: not compared", address)
+            continue
+        theirs = int(peer.get("site_size", 1))
+        if theirs != site_size:
+            raise ValueError(
+                f"The live sites run {theirs} rank(s) each and this site {replica_id!r} {site_size}: rank k of a site "
+                "exchanges with rank k of the others, so every site needs the same number. Launch this site with "
+                f"{theirs} process(es) (torchrun --nproc_per_node {theirs}, pipeline_stages x data_parallel_per_worker "
+                f"= {theirs})."
+            )
+        check_same_sharding(peer.get("sharding", "replicated"), sharding)
+        if mine is not None and ("settings" in peer or "fingerprint" in peer):
+            check_published_settings(mine, peer)
+        return
+
+
+def _check_duplicate_id(quorum: dict, replica_id: str, lighthouse: str) -> None:
+    """Stop a worker that joined under the id of a live one (the later, which heals in `quorum`); the other logs it."""
+    names = [replica.split(":")[0] for replica in quorum.get("replica_ids", [])]
+    if names.count(replica_id) > 1:
+        message = (
+            f"two live workers joined the Lighthouse {lighthouse} as replica_id {replica_id!r}; give every worker its "
+            "own replica_id (a restarted worker may reuse its own once the old process is gone)."
+        )
+        if quorum.get("heal"):  # the later one (it is behind, so it heals) stops; the other trains on
+            raise DuplicateReplicaId(message)
+        logger.error("%s This worker continues; the other one stops.", message)
 
 
 def _settings_of(state: dict) -> dict | None:
@@ -380,10 +455,22 @@ def _published_settings(address: str, timeout: float) -> dict | None:
         return None
 
 
-def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: bytes | None = None) -> object:
-    """torchft's HTTP checkpoint transport, announced under `host`, serving each state sealed (`seal_heal_state`),
+def _counting_http_transport(
+    timeout: timedelta,
+    sink: dict,
+    host: str,
+    secret: bytes | None = None,
+    committed: Callable[[], int] = lambda: 0,
+) -> object:
+    """torchft's HTTP checkpoint transport, announced under `host`, serving each state sealed (`seal_heal_state`) and,
+    with a secret, only to a request that proves it (`heal_request_proof`; any other gets 403 before a byte of state),
     loading what this worker receives safely and checking its seal (`open_heal_state`), and recording its bytes and
-    seconds (or why it was refused) in `sink`."""
+    seconds (or why it was refused) in `sink`.
+
+    A state that does not prove the job's secret (unsigned, or refused to this worker) is not loaded: torchft is given
+    `REFUSED_STATE` in its place, with the group's step and this worker's `committed()` batches, so that it neither
+    fails the group nor asks the same source again, and the member check (`_members_only`) decides whose state this
+    worker takes."""
     from torchft.checkpointing import HTTPTransport
 
     class CountingHTTPTransport(HTTPTransport):
@@ -394,6 +481,14 @@ def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: 
             address = f"{metadata}{step}/full"
             try:
                 return open_heal_state(self._load_from_address(address, timeout), step, secret, address)
+            except UnsignedHealState as refused:
+                sink.pop("refused", None)
+                sink["stranger"] = str(refused)
+                logger.warning("%s", refused)
+                return {
+                    "torchft": {"step": step, "batches_committed": committed()},
+                    "user": {"default": REFUSED_STATE},
+                }
             except HealStateRefused as refused:
                 sink["refused"] = str(refused)
                 raise
@@ -401,20 +496,61 @@ def _counting_http_transport(timeout: timedelta, sink: dict, host: str, secret: 
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             started = time.perf_counter()
+            request = urllib.request.Request(address)
+            if secret is not None:
+                request.add_header(PROOF_HEADER, heal_request_proof(urllib.parse.urlsplit(address).path, secret))
             try:
-                with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as response:
+                with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as response:
                     reader = _CountingReader(response)
                     state = load_heal_state(reader, address)
             except HealStateRefused as refused:
                 sink["refused"] = str(refused)
                 raise
+            except urllib.error.HTTPError as error:
+                if error.code != 403:
+                    raise
+                raise UnsignedHealState(
+                    f"the worker at {address} refused to serve its state for a heal (HTTP 403): this worker did not "
+                    "prove the job's secret to it (it holds another secret than the job's, or none). Give every "
+                    f"worker the same secret ({SECRET_FILE_VARIABLE} or {SECRET_VARIABLE}), or stop this worker."
+                ) from None
             sink["bytes"], sink["seconds"] = reader.count, time.perf_counter() - started
             return state
 
         def address(self) -> str:  # torchft announces this machine's host name, not the address it listens on
             return f"http://{_url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
-    return CountingHTTPTransport(timeout=timeout, num_chunks=0)
+    transport = CountingHTTPTransport(timeout=timeout, num_chunks=0)
+    if secret is not None:
+        _serve_members_only(transport._server, secret)
+    return transport
+
+
+def heal_request_proof(path: str, secret: bytes) -> str:
+    """What a request for a heal state at `path` (`/checkpoint/<step>/full`) carries in `PROOF_HEADER`: the
+    HMAC-SHA256 of the path under the job's secret, which only members compute."""
+    return hmac.new(secret, b"hf_diloco heal request\0" + path.encode(), hashlib.sha256).hexdigest()
+
+
+def _serve_members_only(server: object, secret: bytes) -> None:
+    """Make torchft's checkpoint server answer a request without the job's proof with 403, before it reads or sends
+    any of the state it serves (the check comes before torchft's handler takes its lock)."""
+    handler = server.RequestHandlerClass
+
+    class MembersOnly(handler):
+        def do_GET(self) -> None:  # noqa: N802 -- the name http.server calls
+            proof = self.headers.get(PROOF_HEADER, "").encode(errors="replace")
+            if not hmac.compare_digest(proof, heal_request_proof(self.path, secret).encode()):
+                logger.warning(
+                    "refused a request for this worker's state from %s (%s): it does not prove the job's secret",
+                    self.client_address[0],
+                    self.path[:100],
+                )
+                self.send_error(403, "Not a member of this job: the request does not prove the job's secret")
+                return
+            super().do_GET()
+
+    server.RequestHandlerClass = MembersOnly
 
 
 def load_heal_state(stream: object, source: str) -> object:
@@ -452,7 +588,7 @@ def open_heal_state(envelope: object, step: int, secret: bytes | None, source: s
     """The state inside a `seal_heal_state` envelope (read with `load_heal_state`), after checking its HMAC when this
     worker has a secret; `HealStateRefused` naming `source` otherwise, before the payload is read."""
     if not (isinstance(envelope, dict) and envelope.get("hf_diloco_heal") == 1 and "payload" in envelope):
-        raise HealStateRefused(
+        raise UnsignedHealState(
             f"refused the state served for a heal by {source}: it is not an hf_diloco heal envelope (another "
             "version of hf_diloco, or not an hf_diloco worker). Run the same hf_diloco version on every worker."
         )
@@ -460,7 +596,7 @@ def open_heal_state(envelope: object, step: int, secret: bytes | None, source: s
     if secret is not None:
         received = envelope.get("hmac")
         if not isinstance(received, str) or not hmac.compare_digest(received, _seal(payload, step, secret)):
-            raise HealStateRefused(
+            raise UnsignedHealState(
                 f"refused the state served for a heal by {source}: it is not signed with this job's secret (the "
                 f"peer has another secret, or none). Give every worker the same secret ({SECRET_FILE_VARIABLE} or "
                 f"{SECRET_VARIABLE}), or stop that peer."
@@ -529,6 +665,17 @@ def _group_per_quorum_and_step(process_group_class: type) -> type:
             super().configure(f"{store_addr}/step{self._sink.get('max_step', 0)}", *args, **kwargs)
 
     return GroupPerQuorumAndStep
+
+
+def _is_loopback(url: str) -> bool:
+    """Whether the host of `url` (http://host:port) is this machine's loopback."""
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _resolve(host: str) -> tuple[socket.AddressFamily, str]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..integrations.global_points import check_ranks_agree, global_point_group, wait_for_all_ranks
 from ..integrations.interruption import StoppedRun, rerun_or_resume_from, stop_on_signals
 from ..integrations.output_lock import hold_output_folder
-from ..integrations.run_summary import check_processes_joined
+from ..integrations.run_summary import check_processes_joined, trained_apart
 from ..job.config_file import LoadedConfig
 from .auto_settings import AutoRequest, resolve_auto_values, say
 from .pretrain_arguments import parse_command_line, where_logs_go
@@ -68,6 +68,7 @@ def run_job(argv: Sequence[str], stopped: StoppedRun) -> int:
     resume = args.resume_from_checkpoint
     if resume is None and command_line.auto_resume:
         resume = checkpoint_to_resume_from(args.output_dir, use_diloco)
+    metrics = None
     if resume is not None and _run_finished(resume, args, use_diloco):
         say_run_finished(args, resume)
     else:
@@ -79,7 +80,17 @@ def run_job(argv: Sequence[str], stopped: StoppedRun) -> int:
     points.wait("the end of the job")
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    return exit_status(metrics, args.process_index == 0)
+
+
+def exit_status(metrics: dict | None, main_process: bool) -> int:
+    """0, or 3 for an elastic site whose last rounds ran alone: its model is not the job's (`trained_apart`)."""
+    if not metrics or not metrics.get("diloco_alone_rounds"):
+        return 0
+    if main_process:
+        apart = {"rounds": metrics["diloco_alone_rounds"], "from_round": metrics["diloco_alone_from_round"]}
+        print(f"hf-diloco: {trained_apart(metrics['diloco_site'], apart)}. Exit status 3.", file=sys.stderr)
+    return 3
 
 
 @dataclasses.dataclass
@@ -121,10 +132,12 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
     What can be checked before any data, tokenizer or model is built: the processes form whole workers (one process
     in all under elastic membership: each site is launched on its own), the model has positions for
     `data.block_size` tokens (a new model's config is built here without its vocabulary, which the tokenizer decides
-    later), and a run that pushes to the Hub is not in Hugging Face's offline mode.
+    later), a run that pushes to the Hub is not in Hugging Face's offline mode, and an elastic site has the job's
+    secret.
     """
     from ..core.diloco import check_store_given
     from ..core.layout.topology import RankLayout
+    from ..core.settings.secret import elastic_secret
     from ..integrations.engine_session import check_one_process_per_site
     from ..job.modeling import build_model_config, check_block_size
     from ..publish.hub import refuse_offline_push
@@ -133,8 +146,11 @@ def check_before_building(config: LoadedConfig, args: Any, use_diloco: bool) -> 
         refuse_offline_push("the final model (push_to_hub)", args.hub_model_id or Path(args.output_dir).name)
     if use_diloco:
         RankLayout(args.world_size, args.pipeline_stages, args.data_parallel_per_worker)
-        check_one_process_per_site(args.diloco_config(), args.world_size)
-        check_store_given(args.diloco_config(), store=None, membership=None, opening=True)
+        diloco = args.diloco_config()
+        check_one_process_per_site(diloco, args.world_size)
+        check_store_given(diloco, store=None, membership=None, opening=True)
+        if diloco.lighthouse:
+            elastic_secret(insecure=diloco.insecure_no_secret)
     check_block_size(_block_size(config), build_model_config(config.section("model"), vocab_size=0))
 
 
@@ -218,6 +234,11 @@ def train_and_evaluate(
     if args.process_index == 0:
         _record_final_model(args, trainer.state.global_step)
     metrics = {**train_result.metrics, **eval_metrics}
+    elastic = getattr(getattr(trainer, "diloco", None), "elastic", None)
+    if elastic is not None and elastic.log.apart() is not None:  # in all_results.json, and the exit status
+        apart = elastic.log.apart()
+        metrics.update(diloco_site=elastic.log.site, diloco_alone_rounds=apart["rounds"])
+        metrics["diloco_alone_from_round"] = apart["from_round"]
     trainer.log_metrics("all", metrics)
     trainer.save_metrics("all", metrics)
     if args.push_to_hub:

@@ -22,7 +22,7 @@ from ..core.diloco import DiLoCo
 from ..core.layout.topology import Topology
 from ..core.settings.config import DiLoCoConfig
 from .monitoring import ComputeUtilization
-from .run_summary import run_summary
+from .run_summary import closing_summary, run_summary
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ def membership_from_config(config: DiLoCoConfig, topology: Topology) -> Any:
         site_rank=topology.rank % topology.layout.worker_size,
         site_size=topology.layout.worker_size,
         site_group=topology.control_group,
+        insecure_no_secret=config.insecure_no_secret,
     )
 
 
@@ -94,15 +95,17 @@ class EngineSession:
         engine (`DiLoCo`): the engine.
         utilization (`ComputeUtilization`): the share of wall time spent computing inner steps.
         skipped_steps (`int`): inner steps whose optimizer step a GradScaler skipped (still counted by the engine).
+        announce (`bool`): this process speaks for the run: `close()` logs the closing summary.
         warn_at_close (`bool`): `close()` gives the short-run warning, from the steps the run took (the main process
             of a run whose length was unknown at the start).
     """
 
-    def __init__(self, engine: DiLoCo, warn_at_close: bool = False):
+    def __init__(self, engine: DiLoCo, warn_at_close: bool = False, announce: bool = False):
         self.engine = engine
         self.utilization = ComputeUtilization(lambda: engine.stats["sync_wait_seconds"])
         self.skipped_steps = 0
         self.warn_at_close = warn_at_close
+        self.announce = announce
 
     @classmethod
     def start(
@@ -151,7 +154,7 @@ class EngineSession:
             warning = config.short_run_warning(total_steps) if whole_run else None
             if warning:
                 logger.warning(warning)
-        return cls(engine, warn_at_close=announce and not whole_run)
+        return cls(engine, warn_at_close=announce and not whole_run, announce=announce)
 
     def step_begin(self) -> None:
         """An inner step starts (repeated calls before `step_end`, one per micro-batch, keep the first)."""
@@ -183,3 +186,6 @@ class EngineSession:
         warning = self.engine.config.short_run_warning(steps) if self.warn_at_close and steps > 0 else None
         if warning:
             logger.warning(warning)
+        if self.announce:
+            for line in closing_summary(self.engine):
+                logger.warning("DiLoCo run summary: %s.", line)

@@ -1,7 +1,10 @@
-"""What a run is about to do, said once at start-up, and the launch mistake that would make it something else.
+"""What a run is about to do, said once at start-up, what it met, said at its end, and the launch mistake that would
+make it something else.
 
 `run_summary` is the line the main process logs when the engine starts (workers x data-parallel ranks x stages, H,
-P, tau, overlap, codec, bytes per outer round, outer rounds). `check_processes_joined` refuses a launch whose
+P, tau, overlap, codec, bytes per outer round, outer rounds). `closing_summary` is what the main process logs when
+the engine closes and the model card states: the workers robust aggregation scaled down, the processes refused from
+an elastic job, and an elastic site whose last rounds ran alone (its model is not the job's). `check_processes_joined` refuses a launch whose
 processes are not joined into one run, where N one-worker jobs would train on the same data and write the same
 output folder:
 
@@ -119,6 +122,34 @@ def run_summary(engine: DiLoCo, total_steps: int, steps_label: str = "steps") ->
         elif config.lowrank_rank or config.entropy_coding:
             traffic = "at most " + traffic
     return f"DiLoCo run: {grid}; {schedule}; {traffic}; {rounds}."
+
+
+def closing_summary(engine: DiLoCo) -> list[str]:
+    """What the run met that its model card and its last log lines must say, one sentence each (none: nothing)."""
+    lines = [
+        f"robust aggregation scaled down the pseudo-gradient of {name} in {_count(count, 'exchange')} "
+        f"(robust_clip_factor {engine.config.robust_clip_factor:g})"
+        for name, count in sorted(engine.stats.clipped_workers.items())
+    ]
+    membership = engine.elastic.membership if engine.elastic is not None else None
+    refused = getattr(membership, "refused", {})
+    if refused:
+        names = ", ".join(f"{name} (in {_count(count, 'group')})" for name, count in sorted(refused.items()))
+        lines.append(
+            f"refused {_count(len(refused), 'process')} outside the job, which did not prove its secret: {names}"
+        )
+    apart = engine.elastic.log.apart() if engine.elastic is not None else None
+    if apart is not None:
+        lines.append(trained_apart(engine.elastic.log.site, apart))
+    return lines
+
+
+def trained_apart(site: str, apart: dict) -> str:
+    """What an elastic site whose last exchanges ran alone says of its model (`MembershipLog.apart`)."""
+    return (
+        f"{site} trained {_count(apart['rounds'], 'round')} alone from round {apart['from_round']} to its end: its "
+        "model differs from the job's (no other site was in its exchanges since)"
+    )
 
 
 def _count(number: int, noun: str) -> str:

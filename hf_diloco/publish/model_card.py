@@ -100,6 +100,7 @@ def render_model_card(
     tokens_seen: int | None = None,
     membership: Mapping[str, Any] | None = None,
     store: Mapping[str, Any] | None = None,
+    run_summary: Sequence[str] = (),
 ) -> str:
     """
     Render the model card of a model trained with DiLoCo.
@@ -139,6 +140,9 @@ def render_model_card(
         store (`Mapping[str, Any]`, *optional*): through an object store (`exchange: store`), the run's rounds as
             `engine.store.summary()` gives them (rounds, fewest, most and mean sites per round, late contributions,
             rounds closed at the deadline, sites clipped, the store's URL).
+        run_summary (`Sequence[str]`, *optional*): what the run met that a reader of the card must know, one
+            sentence each (`integrations.run_summary.closing_summary`: workers scaled down by robust aggregation,
+            processes refused from an elastic job); listed under the introduction.
 
     Returns:
         `str`: the card, YAML front matter included.
@@ -185,6 +189,7 @@ def render_model_card(
         "pipeline_stages": settings["pipeline_stages"],
         "data_parallel_per_worker": settings["data_parallel_per_worker"],
         "membership": _membership(membership) if store is None else _store_rounds(store),
+        "run_summary": "".join(f"**In this run:** {line}.\n\n" for line in run_summary),
         "world_size": num_workers * int(settings["pipeline_stages"]) * int(settings["data_parallel_per_worker"]),
         "data_description": data_description.strip() or NOT_RECORDED,
         "tokens_seen": _tokens(tokens_seen),
@@ -356,9 +361,16 @@ def _membership(summary: Mapping[str, Any] | None) -> str:
     fewest, most = summary["fewest_workers"], summary["most_workers"]
     workers = f"{most}" if fewest == most else f"{fewest}-{most}"
     healed = f"{summary['heals']} time(s), {_bytes(summary['heal_bytes'])}" if summary["heals"] else "never"
+    alone = (
+        f"; its last {summary['alone_rounds']} round(s), from round {summary['alone_from_round']}, ran alone: this "
+        "model differs from the job's"
+        if summary.get("alone_rounds")
+        else ""
+    )
     return (
         f"elastic: {summary['exchanges']} exchanges among {workers} workers; {summary['drops']} drop(s), "
-        f"{summary['joins']} join(s), {summary['retries']} exchange(s) retried; this worker healed from a peer {healed}"
+        f"{summary['joins']} join(s), {summary['retries']} exchange(s) retried; this worker healed from a peer "
+        f"{healed}{alone}"
     )
 
 

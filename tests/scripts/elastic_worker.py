@@ -10,7 +10,8 @@ inner step until F exists (the test restarts a worker meanwhile). With `--rounds
 done instead of `--steps`; with `--paced_seconds S` every inner step lasts S seconds (2 S with `--slowed`) whatever
 the machine's load. With `--checkpoint_every N` it saves `engine.state_dict()` to DIR/checkpoint_<replica>.pt
 every N inner steps, and with `--resume` it loads that file (when there) after joining. The event log (DIR/events_<replica>.jsonl) gets a line per
-inner step and per exchange; DIR/final_<replica>.pt holds θg and the membership summary at the end.
+inner step and per exchange; DIR/final_<replica>.pt holds θg and the membership summary at the end. A worker whose
+last exchanges ran alone in a job of several (its model is not the job's) says so and exits with status 3.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def main() -> None:
     parser.add_argument("--sync_delay", type=int, default=0)
     parser.add_argument("--merge_alpha", type=float, default=0.5)
     parser.add_argument("--error_feedback", action="store_true")
-    parser.add_argument("--robust_clip_factor", type=float, default=0.0)
+    parser.add_argument("--robust_clip_factor", type=float, default=None)  # None: the library's default
     parser.add_argument("--min_workers", type=int, default=1)
     parser.add_argument("--start_workers", type=int, default=1)
     parser.add_argument("--min_workers_timeout", type=float, default=60.0)
@@ -84,7 +86,7 @@ def main() -> None:
         sync_delay=cli.sync_delay,
         merge_alpha=cli.merge_alpha,
         error_feedback=cli.error_feedback,
-        robust_clip_factor=cli.robust_clip_factor,
+        **({} if cli.robust_clip_factor is None else {"robust_clip_factor": cli.robust_clip_factor}),
         compression_block_size=32,
         sync_timeout_seconds=cli.sync_timeout,
         round_policy=cli.round_policy,
@@ -168,6 +170,12 @@ def main() -> None:
          "metrics": engine.metrics()},
         out / f"final_{replica}.pt",
     )  # fmt: skip
+    apart = engine.elastic.log.apart()
+    if apart is not None:  # what a loop of its own does with a site that ended alone: say so and fail
+        from hf_diloco.integrations.run_summary import trained_apart
+
+        print(f"{trained_apart(replica, apart)}.", flush=True)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

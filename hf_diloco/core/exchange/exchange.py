@@ -77,7 +77,8 @@ class OuterExchange:
             every worker's encoded vector, one quantization); see the module docstring.
         entropy_coding: deflate each encoded payload before it crosses workers, when that is shorter.
         clip_factor: robust aggregation; when > 0, a contribution whose norm exceeds `clip_factor` x the lower median
-            of all workers' norms is scaled down to that bound before it is encoded.
+            of all workers' norms is scaled down to that bound before it is encoded (every worker learns which were,
+            `ExchangeResult.outliers`).
         timeout_seconds: how long `PendingExchange.wait` waits before raising `OuterSyncError`.
         delay_seconds: a callable returning seconds to sleep before each exchange (tests and benchmarks use it to
             emulate a slow link and to prove that nothing reads a buffer before its exchange finished).
@@ -233,6 +234,31 @@ class OuterExchange:
         return shards * (workers or self._workers()) * (codec or self.codec).align
 
 
+def clip_outliers(
+    norms: torch.Tensor, rank: int, factor: float, names: tuple[str, ...] = ()
+) -> tuple[float, tuple[tuple[str, float], ...]]:
+    """What robust aggregation does with the members' norms (-1: a member that joined during the round, whose zeros
+    are no contribution and must not pull the median down: two joiners beside two contributors would make it 0): the
+    factor `rank`'s contribution is scaled by (1.0: kept as it is) and every contribution over `factor` x the lower
+    median of the contributors' norms, as (name, norm / that median), the same on every member. A non-finite norm
+    clips nothing (the round is skipped everywhere), nor does a median of 0 (no scale to compare with: a worker that
+    moved nothing, e.g. every inner step skipped by a GradScaler, must not zero the others)."""
+    contributed = norms[norms >= 0]
+    if not bool(torch.isfinite(norms).all()) or contributed.numel() == 0:
+        return 1.0, ()
+    median = float(contributed.median())  # the lower median: with two contributors, the smaller norm
+    if median <= 0:
+        return 1.0, ()
+    bound = factor * median
+    outliers = tuple(
+        (names[member] if member < len(names) else f"worker {member}", float(value) / median)
+        for member, value in enumerate(norms.tolist())
+        if value > bound
+    )
+    mine = float(norms[rank])
+    return (bound / mine if mine > bound else 1.0), outliers
+
+
 class _ExchangeJob:
     """One launch's work on the exchange's thread: weigh or count the contributors (elastic), clip an outlier,
     average (plain, or the two low-rank passes under a policy's choice), and return the `ExchangeResult` with the
@@ -269,6 +295,7 @@ class _ExchangeJob:
         self.sent = self.intra = 0
         self.link_seconds = 0.0
         self.averaged_bound = self.averaged_sent = 0  # cross-worker averaging: `wire_bytes` and what was sent
+        self.outliers: tuple[tuple[str, float], ...] = ()
 
     def __call__(self) -> ExchangeResult:
         ex = self.exchange
@@ -284,7 +311,7 @@ class _ExchangeJob:
             self._weigh_contributions()
         elif self.counts_contributors:
             self.contributors = self._count_contributors()
-        clipped = self._clip_outlier() if ex.clip_factor > 0 else False
+        clipped, self.outliers = self._clip_outlier() if ex.clip_factor > 0 else (False, ())
         if self.compressor is None:
             average, residual = self._average(self.vector, ex.codec, split=not self.owned, out=self.out)
             return self._result(self._into_out(average), residual, clipped)
@@ -334,6 +361,7 @@ class _ExchangeJob:
             self.sent,
             self.intra,
             clipped,
+            outliers=self.outliers,
             choice=choice,
             contributors=self._counted(),
             scale=self.scale,
@@ -380,26 +408,24 @@ class _ExchangeJob:
             if self.scale != 1.0:
                 self.vector = self.vector * self.scale
 
-    def _clip_outlier(self) -> bool:
-        """Robust aggregation: scale this contribution down to clip_factor x the lower median of the contributors'
-        norms. A worker that joined during the round sends -1 in place of its norm: its zeros are no contribution and
-        must not pull the median down (two joiners beside two contributors would otherwise make it 0)."""
+    def _clip_outlier(self) -> tuple[bool, tuple[tuple[str, float], ...]]:
+        """Robust aggregation (`clip_outliers`): one all-gather of the members' norms, 4 bytes each; whether this
+        contribution was scaled down, and every member's that was. Under `round_policy: balanced` each contribution
+        was scaled by s = M w / Σ w for the w inner steps it covers: its norm over s² is its norm per inner step (up to
+        a factor the same for every member), so a worker that trained more steps is not taken for an outlier."""
         outer = self.outer
         if self.transport.alone:
-            return False
-        norm = (self._norm() if outer.contributes else torch.tensor(-1.0)).reshape(1)
-        norms_tensor = self.transport.gather_rows(norm).reshape(-1)
+            return False, ()
+        balance = self.scale if outer.weight is not None else float(self.context.get("balance", 1.0))
+        contributing = outer.contributes and balance > 0
+        norm = (self._norm() / balance**2 if contributing else torch.tensor(-1.0)).reshape(1)
+        norms = self.transport.gather_rows(norm).reshape(-1)
         self.sent += (outer.size - 1) * norm.nbytes
-        if not bool(torch.isfinite(norms_tensor).all()):
-            return False  # a non-finite contribution poisons the average; the engine skips that round everywhere
-        contributed = norms_tensor[norms_tensor >= 0]
-        if not outer.contributes or contributed.numel() == 0:
-            return False
-        bound = self.exchange.clip_factor * float(contributed.median())  # lower median: meaningful for M = 2 too
-        if float(norm) <= bound:
-            return False
-        self.vector = self.vector * (bound / float(norm))
-        return True
+        scale, outliers = clip_outliers(norms, outer.rank, self.exchange.clip_factor, outer.names)
+        if scale == 1.0:
+            return False, outliers
+        self.vector = self.vector * scale
+        return True, outliers
 
     def _norm(self) -> torch.Tensor:
         """The norm of this worker's whole contribution (its data-parallel ranks' shares combined, in rank order)."""

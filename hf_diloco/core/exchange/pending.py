@@ -19,6 +19,9 @@ class ExchangeResult:
     bytes_sent: int  # cross-worker wire bytes this rank handed to the network
     bytes_sent_intra_worker: int
     clipped: bool = False  # this rank's contribution was scaled down by robust aggregation
+    # Robust aggregation: every contribution scaled down in this exchange (the same on every worker), as (the
+    # worker's name, its norm / the lower median of the contributors' norms).
+    outliers: tuple[tuple[str, float], ...] = ()
     choice: dict | None = None  # the adaptive setting this exchange used (step, rank, compression, reason)
     contributors: int | None = None  # with an `OuterGroup`: the workers whose pseudo-gradient the average holds
     scale: float = 1.0  # with a weighted `OuterGroup`: what this worker's Δ was multiplied by (C w_m / Σ w)

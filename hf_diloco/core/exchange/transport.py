@@ -119,6 +119,7 @@ class OuterGroup:
             the average is then weighted by them (Σ w_m Δm / Σ w) instead of taken plainly. None: a plain average.
         step_seconds: `balanced`: this worker's median inner-step time in its round so far (0.0: not measured); the
             exchange reports the fastest of the members' (`ExchangeResult.fastest_step_seconds`).
+        names: the members' names by rank, for messages (empty: "worker <rank>").
     """
 
     group: dist.ProcessGroup | None
@@ -127,6 +128,7 @@ class OuterGroup:
     contributes: bool = True
     weight: float | None = None
     step_seconds: float = 0.0
+    names: tuple[str, ...] = ()
 
     def transport(self) -> ProcessGroupTransport:
         """The members as the exchange reaches them."""

@@ -31,7 +31,9 @@ with rank k of the other sites; docs/design.md, "A site of several ranks").
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -70,18 +72,58 @@ class MembershipLog:
     """Membership per exchange, for logs, metrics and the model card.
 
     Attributes:
-        rounds: one entry per exchange this worker completed: inner step of its launch, fragment, workers in the
-            group, contributors, retries, whether this worker healed first, whether it ran behind the inner steps.
+        rounds: one entry per exchange this worker completed: inner step of its launch, outer round, fragment,
+            workers in the group, contributors, retries, whether this worker healed first, whether it ran behind the
+            inner steps.
         heal_bytes, heal_seconds: what healing from peers cost this worker in all.
+        site: this worker's name in messages.
+        min_workers: the fewest workers an exchange runs with (1 lets a site train alone).
+        company: the job has had other members than this worker (a group of several, or a Lighthouse that had formed
+            groups before this worker came): from then on an exchange alone is one its model differs from the
+            job's by.
+        alone_from, alone_to: the first and the last round of the exchanges this worker has run alone since it was
+            last in a group with others (None: it was, at its last exchange).
     """
 
     rounds: list[dict] = field(default_factory=list)
     heal_bytes: int = 0
     heal_seconds: float = 0.0
+    site: str = "this site"
+    min_workers: int = 1
+    company: bool = False
+    alone_from: int | None = None
+    alone_to: int = 0
 
     def record(self, **entry: object) -> None:
-        """One completed exchange (the fields of `rounds`)."""
+        """One completed exchange (the fields of `rounds`); a warning when it ran alone in a job of several."""
         self.rounds.append(entry)
+        if entry["workers"] > 1:  # the members hold the same θg (their membership compares it): the job's again
+            self.company, self.alone_from = True, None
+        elif self.company:
+            self.alone_from = entry["round"] if self.alone_from is None else self.alone_from
+            self.alone_to = int(entry["round"])
+            logger.warning(
+                "%s trained round %d alone: no other site has been in its exchanges since round %d (%d round(s) "
+                "alone), so its global model differs from the job's. min_workers=%d lets a site train alone; with "
+                "min_workers=2 it would wait min_workers_timeout for another site and then stop.",
+                self.site,
+                self.alone_to,
+                self.alone_from,
+                self.alone_to - self.alone_from + 1,
+                self.min_workers,
+            )
+
+    def met(self, size: int, earlier_members: list[str]) -> None:
+        """A group formed: `size` members; `earlier_members`: the others (members of the job only) its Lighthouse had
+        formed groups of before this worker came."""
+        self.company = self.company or size > 1 or bool(earlier_members)
+
+    def apart(self) -> dict | None:
+        """This worker's last exchanges ran alone in a job of several: {"rounds": N, "from_round": R}, its model
+        differs from the job's; None when its last exchange had others in it (or it never had any)."""
+        if self.alone_from is None:
+            return None
+        return {"rounds": self.alone_to - self.alone_from + 1, "from_round": self.alone_from}
 
     def summary(self) -> dict:
         """Exchanges, the fewest and most workers in one, joins and drops (rises and falls of the group size
@@ -100,6 +142,8 @@ class MembershipLog:
             "in_background": sum(1 for entry in self.rounds if entry.get("background")),
             "heal_bytes": self.heal_bytes,
             "heal_seconds": round(self.heal_seconds, 3),
+            "alone_rounds": (self.apart() or {}).get("rounds", 0),
+            "alone_from_round": (self.apart() or {}).get("from_round"),
         }
 
 
@@ -133,7 +177,9 @@ class ElasticRounds:
     def __init__(self, engine: ElasticEngine, membership: Membership):
         self.engine = engine
         self.membership = membership
-        self.log = MembershipLog()
+        self.log = MembershipLog(
+            site=getattr(membership, "replica_id", "this site"), min_workers=engine.config.min_workers
+        )
         # ("launch" | "tail", fragment, inner step of the launch) from a launch until its exchange is committed
         self._phase: tuple[str, int, int] | None = None
         self._tails_done: list[int] = []
@@ -145,7 +191,7 @@ class ElasticRounds:
         stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
         stats.exchange_retries = stats.heals = stats.heal_bytes = 0
         stats.heal_seconds = 0.0
-        membership.bind(self.global_state, self.load_global_state)
+        membership.bind(self.global_state, self.load_global_state, lambda: theta_digest(engine.fragments, self._phase))
 
     # ----------------------------------------------------------------------------------------------- the engine's
 
@@ -269,6 +315,7 @@ class ElasticRounds:
 
     def _begin(self) -> RoundView:
         view = self.membership.begin_round()
+        self.log.met(view.size, getattr(self.membership, "earlier_members", []))
         _count_membership(self.engine.stats, view)
         if view.healed:
             self._write_healed_state()
@@ -327,7 +374,7 @@ class ElasticRounds:
             result = self.attempt(fragment, delta, view, self._phase[0] == "tail")
         final = self._phase[0] == "tail"
         self.log.record(
-            step=launched_at, fragment=fragment.index, final=final, workers=view.size,
+            step=launched_at, round=self.engine.outer_rounds, fragment=fragment.index, final=final, workers=view.size,
             contributors=result.contributors, retries=retries, healed=healed, background=background,
         )  # fmt: skip
         return fragment, delta, result, final
@@ -371,7 +418,7 @@ class ElasticRounds:
             view.group, view.rank, view.size,
             contributes=fragment.index in self._contributing and (self._weight > 0 or not balanced),
             weight=self._weight if balanced else None,
-            step_seconds=engine.clock.median_step_seconds() if balanced else 0.0,
+            step_seconds=engine.clock.median_step_seconds() if balanced else 0.0, names=view.members,
         )  # fmt: skip
         what = "final outer sync" if final else "outer sync"
         description = (
@@ -421,6 +468,19 @@ class ElasticRounds:
                 engine.overlap.apply_due(engine.fragments, flight.apply_at)
         else:  # every member joined during this round: there is nothing to average
             fragment.write_local(fragment.theta_g)
+
+
+def theta_digest(fragments: list[Fragment], phase: tuple[str, int, int] | None) -> bytes:
+    """Bytes equal on two workers exactly when the θg of the exchange being formed (`phase`'s fragment; every
+    fragment's at the join) is: the exact int64 sum of its float32 bits (integer addition, the same on any number of
+    threads) and every 1021st value, hashed. Cheap enough for every group: the membership compares it, so that members
+    holding different θg never average their rounds."""
+    digest = hashlib.sha256()
+    for fragment in fragments if phase is None else [fragments[phase[1]]]:
+        theta = fragment.theta_g.detach().float()
+        digest.update(struct.pack("<q", int(theta.view(torch.int32).sum(dtype=torch.int64))))
+        digest.update(theta[::1021].cpu().numpy().tobytes())
+    return digest.digest()
 
 
 def _count_membership(stats: EngineStats, view: RoundView) -> None:

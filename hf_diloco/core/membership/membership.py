@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 StateFn = Callable[[], dict]
 LoadFn = Callable[[dict], None]
+DigestFn = Callable[[], bytes]
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class RoundView:
             on a site of several ranks, true on all of them when any one did.
         heal_bytes: bytes received for that state.
         heal_seconds: seconds the transfer took.
+        members: the members' names by rank (empty where the backend does not name them).
+        refused: processes of the backend's group refused as not members of the job (they did not prove its secret):
+            nothing is exchanged with them.
     """
 
     group: dist.ProcessGroup | None
@@ -33,14 +37,17 @@ class RoundView:
     healed: bool = False
     heal_bytes: int = 0
     heal_seconds: float = 0.0
+    members: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
 
 
 class Membership(Protocol):
     """Who takes part in each exchange. `bind` comes first; then, per exchange, `begin_round`, the exchange over
     `view.group`, `report_error` if it failed, `end_round`."""
 
-    def bind(self, state_dict: StateFn, load_state_dict: LoadFn) -> None:
-        """The global state a worker behind the others receives from a live peer, and how it is loaded."""
+    def bind(self, state_dict: StateFn, load_state_dict: LoadFn, digest: DigestFn | None = None) -> None:
+        """The global state a worker behind the others receives from a live peer, how it is loaded, and a digest of
+        the θg the next exchange uses (equal on two workers exactly when that θg is), which a backend may compare."""
 
     def begin_round(self) -> RoundView:
         """Form the group for the next exchange (heal this worker first when it is behind)."""

@@ -40,21 +40,24 @@ class FixedGroupRounds:
     def launch(self, fragment: Fragment, delta: torch.Tensor) -> None:
         engine = self.engine
         scale = engine.round_policy.weigh(delta, fragment.index)  # `balanced`: this worker's share by its steps
-        pending = self._send(fragment, delta, "launch", blocking=engine.overlap.blocking)
+        pending = self._send(fragment, delta, "launch", blocking=engine.overlap.blocking, balance=scale)
         flight = InFlight(pending, engine.inner_step + engine.overlap.apply_delay, sent=delta, scale=scale)
         engine.overlap.launched(fragment, flight)
 
     def tail(self, fragment: Fragment, delta: torch.Tensor, scale: float = 1.0) -> None:
         engine = self.engine
         delta = delta * scale if scale != 1.0 else delta
-        pending = self._send(fragment, delta, "tail", blocking=True)
+        pending = self._send(fragment, delta, "tail", blocking=True, balance=scale)
         record = engine.rounds.apply_tail(fragment, InFlight(pending, engine.inner_step, sent=delta, scale=scale))
         fragment.write_local(fragment.theta_g)
         engine.rounds.publish(record)
 
-    def _send(self, fragment: Fragment, delta: torch.Tensor, kind: str, blocking: bool) -> PendingExchange:
+    def _send(
+        self, fragment: Fragment, delta: torch.Tensor, kind: str, blocking: bool, balance: float = 1.0
+    ) -> PendingExchange:
         """Launch the exchange of one fragment's pseudo-gradient (`kind`: a round's "launch" or a "tail" of
-        `close()`), its average decoded into the fragment's buffer; the workers first check they are in step."""
+        `close()`), its average decoded into the fragment's buffer; the workers first check they are in step.
+        `balance`: what `delta` was scaled by for the steps it covers (`balanced`), for robust clipping."""
         engine = self.engine
         peers = engine.topology.outer_peers()
         what = "outer sync" if kind == "launch" else "final outer sync"
@@ -64,7 +67,7 @@ class FixedGroupRounds:
             f"{what} of fragment {fragment.index} at inner step {engine.inner_step} with peers {peers}",
             blocking=blocking,
             compressor=fragment.compressor,
-            context=self._launch_context(fragment),
+            context={**self._launch_context(fragment), "balance": balance},
             layout=fragment.values.layout,
             out=fragment.average_buffer(),
             schedule=ScheduleTag(kind, fragment.index, position, unit),

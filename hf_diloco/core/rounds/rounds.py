@@ -261,6 +261,8 @@ class RoundKeeper:
             self.stats.lowrank_rank = result.choice["rank"]
             self.stats.compression_bits = CODEC_BITS[result.choice["compression"]]
         self.stats.clipped_contributions += int(result.clipped)
+        if result.outliers:
+            self._name_outliers(fragment, result.outliers)
         average = result.average.to(fragment.device)
         # θg is read for its scale only where the bound uses it: one pass over θg per sync saved once rounds have a
         # history.
@@ -283,6 +285,20 @@ class RoundKeeper:
             final=final,
             piece_sizes=fragment.owned_sizes,
             workers=self.workers,
+        )
+
+    def _name_outliers(self, fragment: Fragment, outliers: tuple[tuple[str, float], ...]) -> None:
+        """Name each worker robust aggregation scaled down (every worker sees the same), and count it."""
+        for name, _ in outliers:
+            self.stats.clipped_workers[name] = self.stats.clipped_workers.get(name, 0) + 1
+        logger.warning(
+            "robust aggregation scaled down the pseudo-gradient of %s in the exchange of fragment %d at inner step %d: "
+            "its norm was %s the lower median of the contributors' norms, above robust_clip_factor (0 turns this "
+            "defence off)",
+            ", ".join(name for name, _ in outliers),
+            fragment.index,
+            self.clock(),
+            ", ".join(f"{ratio:.4g} x" for _, ratio in outliers),
         )
 
     def _verdict(self, average: torch.Tensor, theta_g: torch.Tensor | None) -> tuple[bool, float, float]:

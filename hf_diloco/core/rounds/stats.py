@@ -49,6 +49,9 @@ class EngineStats(Mapping):
         skipped_divergent: rounds skipped on every worker by the divergence guard.
         inner_state_resets: parameters whose non-finite inner optimizer state was dropped.
         clipped_contributions: exchanges in which robust aggregation scaled this rank's contribution down.
+        clipped_workers: every worker whose contribution robust aggregation scaled down in this process's run, by
+            name (`worker <index>`, or the elastic site's name), with the number of exchanges; not a logged metric
+            (the run summary and the model card name them).
         pseudo_grad_norm: norm of the last pseudo-gradient this worker sent.
         workers_in_round, membership_joins, membership_drops, exchange_retries, heals, heal_bytes, heal_seconds:
             elastic membership only (`elastic.py`): the workers in the last exchange's group, the rises and falls of
@@ -91,6 +94,7 @@ class EngineStats(Mapping):
     store_bytes_down: int | None = None
     fragment_syncs: dict[int, int] = field(default_factory=dict)
     fragment_bytes_sent: dict[int, int] = field(default_factory=dict)
+    clipped_workers: dict[str, int] = field(default_factory=dict)
 
     def book_exchange(self, fragment: int, bytes_sent: int, bytes_intra: int, per_fragment: bool) -> None:
         """Count one finished exchange of `fragment` (per-fragment counters only when there are several)."""
@@ -136,7 +140,8 @@ class EngineStats(Mapping):
         return self.fragment_syncs if kind == "syncs" else self.fragment_bytes_sent
 
 
-_SCALARS = [f.name for f in dataclasses.fields(EngineStats) if not f.name.startswith("fragment_")]
+# The counters `DiLoCo.metrics()` logs: every field but the records kept per fragment or per worker (a dict each).
+_SCALARS = [f.name for f in dataclasses.fields(EngineStats) if f.default_factory is dataclasses.MISSING]
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,8 @@ class DiLoCoConfig:
         pipeline_microbatches (`int`): micro-batches each batch is split into for the pipeline.
 
     Robustness:
-        robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the median norm.
+        robust_clip_factor (`float`): clip a worker's pseudo-gradient norm to this multiple of the lower median norm
+            (on by default; 0 = off).
         divergence_factor (`float`): skip a round whose average's norm exceeds this multiple of the median norm of the
             fragment's last applied rounds (0 = off).
         first_round_factor (`float`): skip a round without a history (a fragment's first) whose average's largest
@@ -291,11 +292,11 @@ class DiLoCoConfig:
         metadata={"help": "Micro-batches per batch when pipeline_stages > 1 (1f1b needs >= pipeline_stages)."},
     )
     robust_clip_factor: float = field(
-        default=0.0,
+        default=5.0,
         metadata={
-            "help": "Robust aggregation: scale down a worker's pseudo-gradient whose norm exceeds this factor times "
-            "the (lower) median norm of the contributing workers (a worker that joined during the round is left out). "
-            "0 = off."
+            "help": "Robust aggregation, on by default: scale down a worker's pseudo-gradient whose norm exceeds this "
+            "factor times the lower median norm of the contributing workers (with two, the smaller; a worker that "
+            "joined during the round is left out), and name it. 0 = off."
         },
     )
     divergence_factor: float = field(
@@ -347,7 +348,10 @@ class DiLoCoConfig:
     site: str = field(default="", metadata={"help": "This site's name, unique in the elastic job (its replica id)."})
     site_host: str = field(
         default="",
-        metadata={"help": "The address the other sites reach this one at (empty: this machine's host name)."},
+        metadata={
+            "help": "The address the other sites reach this one at, where its servers listen (empty: 127.0.0.1, "
+            "this machine only)."
+        },
     )
     min_workers: int = field(default=1, metadata={"help": "Elastic: the fewest sites an exchange runs with."})
     start_workers: int = field(default=1, metadata={"help": "Elastic: the sites the first exchange waits for."})
@@ -422,8 +426,9 @@ class DiLoCoConfig:
     insecure_no_secret: bool = field(
         default=False,
         metadata={
-            "help": "Run without the job's secret (HF_DILOCO_JOB_SECRET_FILE / HF_DILOCO_JOB_SECRET): objects and "
-            "peers are then not authenticated. Only for a store or network nobody else can write to."
+            "help": "Run sites (exchange: store, or lighthouse) without the job's secret (HF_DILOCO_JOB_SECRET_FILE / "
+            "HF_DILOCO_JOB_SECRET): store objects and peers are then not authenticated, and whoever reaches the "
+            "Lighthouse and a site can join. Only for a store or network nobody else can reach."
         },
     )
 

@@ -20,6 +20,7 @@ from transformers.utils.hub import hf_api
 
 from ...publish.hub import push_folder_to_hub
 from ...publish.model_card import has_diloco_tag, write_model_card
+from ..run_summary import closing_summary
 
 ALL_RESULTS_NAME = "all_results.json"
 
@@ -146,6 +147,7 @@ class GlobalModel:
             "settings": {**self.args.diloco_dict(), "num_workers": num_workers},
             "membership": membership,
             "store": store,
+            "run_summary": closing_summary(self.diloco) if self.diloco is not None else [],
             "communication": {
                 "bytes_sent": stats.get("bytes_sent", 0),
                 "steps": self.diloco.inner_step if self.diloco is not None else 0,
