@@ -285,8 +285,8 @@ def table(runs: dict[str, dict[int, dict]]) -> str:
             cells = ", ".join(f"s{s} {100 * g:+.2f}%" for s, g in zip(paired, gaps))
             error = f" ± {100 * statistics.stdev(gaps) / math.sqrt(len(gaps)):.2f}" if len(gaps) > 1 else ""
             mean = f"**{100 * statistics.fmean(gaps):+.2f}%{error}**"
-            above1 = f"{sum(g > 0.01 for g in gaps)} of {len(gaps)}"
-            above2 = f"{sum(g > 0.02 for g in gaps)} of {len(gaps)}"
+            above1 = f"{sum(round(100 * g, 2) > 1 for g in gaps)} of {len(gaps)}"  # as the cells print them
+            above2 = f"{sum(round(100 * g, 2) > 2 for g in gaps)} of {len(gaps)}"
             ratios = [all_bytes(ddp[s]["result"]) / all_bytes(per_seed[s]["result"]) for s in paired]
             fewer = f"{min(ratios):.0f}x" if round(min(ratios)) == round(max(ratios)) else f"{min(ratios):.0f}-"
             fewer = fewer if fewer.endswith("x") else f"{fewer}{max(ratios):.0f}x"
