@@ -13,6 +13,7 @@ comparisons use (`quality`, `quality --long`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import shlex
@@ -287,15 +288,21 @@ def _ring_all_reduce_bytes(tensor: torch.Tensor, world: int) -> int:
 
 
 def evaluate(model, eval_ids: torch.Tensor, batch_size: int = 16) -> float:
+    device = next(model.parameters()).device
     model.eval()
     total, count = 0.0, 0
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(device):
         for start in range(0, len(eval_ids), batch_size):
-            ids = eval_ids[start : start + batch_size]
+            ids = eval_ids[start : start + batch_size].to(device)
             total += float(model(input_ids=ids, labels=ids).loss) * len(ids)
             count += len(ids)
     model.train()
     return total / count
+
+
+def _autocast(device: torch.device):
+    """bf16 autocast on a GPU (how a GPU trains); nothing on the CPU, whose runs stay exact fp32."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def train_worker(
@@ -317,12 +324,16 @@ def train_worker(
 
 
 def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder: str) -> dict:
+    """The training run. Optional settings of `args` (absent: off): `device` (`cuda`: both workers on this machine's
+    GPU, bf16 autocast), `eval_every` (every so many steps the eval loss of the first `eval_blocks` eval blocks, of
+    θg for DiLoCo, with the bytes sent so far: `eval_curve`) and `progress` (a progress bar on rank 0, this label)."""
     from hf_diloco import DiLoCo, DiLoCoConfig
     from hf_diloco.job.modeling import DEFAULT_MODEL_CONFIG, build_model
 
     data = torch.load(Path(folder) / "data.pt")
+    device = torch.device(getattr(args, "device", "cpu"))
     spec = {"config": {**DEFAULT_MODEL_CONFIG, **json.loads(args.model)}} if args.model else None
-    model = build_model(spec, data["vocab"], *data["ids"], seed=args.seed)
+    model = build_model(spec, data["vocab"], *data["ids"], seed=args.seed).to(device)
     optimizer = inner_optimizer(model, getattr(args, "inner", "adamw"), args.lr)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(args.steps, args.warmup))
     engine, counter, trained = None, {"bytes": 0}, model
@@ -338,11 +349,14 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
     if fields is not None and not ddp_steps:
         engine = start_engine()
     batches = ShardBatches(data["train"], args.seed, rank, world, args.batch_size)
-    curve = []
+    curve, eval_curve = [], []
+    eval_every = getattr(args, "eval_every", 0)
+    progress = _progress_bar(args.steps, args.progress) if getattr(args, "progress", "") and rank == 0 else None
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
-        ids = batches(step - 1)
-        loss = trained(input_ids=ids, labels=ids).loss
+        ids = batches(step - 1).to(device)
+        with _autocast(device):
+            loss = trained(input_ids=ids, labels=ids).loss
         loss.backward()
         if step <= ddp_steps:
             counter["bytes"] += all_reduce_gradients(model, world)
@@ -356,6 +370,12 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
             engine = start_engine()
         if step % args.log_every == 0 or step == args.steps:
             curve.append((step, float(loss.detach())))
+        if eval_every and step % eval_every == 0 and step < args.steps:
+            eval_curve.append(_eval_point(model, engine, data["eval"][: args.eval_blocks], step, counter["bytes"]))
+        if progress is not None:
+            progress.update()
+    if progress is not None:
+        progress.close()
     if engine is not None:
         engine.close()
         with engine.global_weights():
@@ -383,7 +403,23 @@ def _train(rank: int, world: int, method: str, args: argparse.Namespace, folder:
         "num_parameters": sum(p.numel() for p in model.parameters()),
         # An adaptive policy's per-sync choices (step, fragment, rank, codec, why): what its bytes and loss came from.
         "policy_choices": [] if engine is None else list(engine.exchange.choices),
+        **({"eval_curve": eval_curve} if eval_every else {}),
     }
+
+
+def _eval_point(model, engine, eval_ids: torch.Tensor, step: int, ddp_bytes: int) -> dict:
+    """The eval loss at `step` (θg for DiLoCo: the global model as of its last sync) and every byte sent so far."""
+    if engine is None:
+        return {"step": step, "bytes_sent": ddp_bytes, "eval_loss": evaluate(model, eval_ids)}
+    with engine.global_weights():
+        loss = evaluate(model, eval_ids)
+    return {"step": step, "bytes_sent": engine.stats["bytes_sent"] + ddp_bytes, "eval_loss": loss}
+
+
+def _progress_bar(steps: int, label: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, desc=label, unit="step", leave=False, mininterval=10)
 
 
 def inner_optimizer(model: torch.nn.Module, name: str, lr: float) -> torch.optim.Optimizer:

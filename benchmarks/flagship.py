@@ -10,8 +10,8 @@ used, the long regime's are. `--methods` adds other candidates to the same run (
 
 `--table` reads such runs and prints, per seed and method, the eval loss gap to DDP of the same seed and how many
 times fewer bytes per token the method sent than DDP, counting every byte: the training loop's and the once-per-run
-tail sync of `close()` (which `benchmarks.comm` reports apart). Then the mean ± standard error of the gaps, over
-the seeds given (`--seeds` picks some, e.g. the held-out ones). DDP of a seed may come from any of the runs (a run
+tail sync of `close()` (which `benchmarks.comm` reports apart). Then the mean ± standard error of the gaps and how
+many seeds' gaps are above +1% and above +2%, over the seeds given (`--seeds` picks some, e.g. the held-out ones). DDP of a seed may come from any of the runs (a run
 without `ddp@2` borrows it: DDP is deterministic for a seed); two DDP runs of one seed with different losses are
 refused.
 """
@@ -108,19 +108,20 @@ def table(runs: list[dict], seeds: list[int] | None = None) -> list[str]:
             fewer = total_bytes_per_token(ddp) / total_bytes_per_token(result)
             rows.setdefault(result["method"], {})[seed] = (gap, fewer)
     all_seeds = sorted({seed for per_seed in rows.values() for seed in per_seed})
-    header = ["method", *(f"seed {s}" for s in all_seeds), "mean gap ± s.e.", "x fewer bytes than DDP"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = ["method", *(f"seed {s}" for s in all_seeds), "mean gap ± s.e.", "above +1%", "above +2%"]
+    lines = ["| " + " | ".join([*header, "x fewer bytes than DDP"]) + " |", "|" + "---|" * (len(header) + 1)]
     for method, per_seed in rows.items():
         gaps = [gap for gap, _ in per_seed.values()]
         fewer = [ratio for _, ratio in per_seed.values()]
         error = f" ± {100 * statistics.stdev(gaps) / len(gaps) ** 0.5:.2f}" if len(gaps) > 1 else ""
         cells = [f"{100 * per_seed[s][0]:+.2f}%" if s in per_seed else "" for s in all_seeds]
+        # Counted on the gaps as the cells print them, so that a cell of +1.00% is not above +1%.
+        above = [f"{sum(round(100 * gap, 2) > limit for gap in gaps)} of {len(gaps)}" for limit in (1, 2)]
         spread = (
             f"{min(fewer):.0f}x" if round(min(fewer)) == round(max(fewer)) else f"{min(fewer):.0f}-{max(fewer):.0f}x"
         )
-        lines.append(
-            f"| {method} | " + " | ".join(cells) + f" | **{100 * statistics.fmean(gaps):+.2f}%{error}** | {spread} |"
-        )
+        mean = f"**{100 * statistics.fmean(gaps):+.2f}%{error}**"
+        lines.append(f"| {method} | " + " | ".join([*cells, mean, *above, spread]) + " |")
     return lines
 
 

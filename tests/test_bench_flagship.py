@@ -29,7 +29,8 @@ def test_table_counts_the_tail_and_gives_mean_and_standard_error(tmp_path, capsy
     assert row[1:4] == ["+1.00%", "-1.00%", "+0.50%"]
     # gaps +1, -1, +0.5 %: mean +0.17, sample standard deviation 1.04, / sqrt(3) = 0.60
     assert row[4] == "**+0.17% ± 0.60**"
-    assert row[5] == "1000-1286x |"  # 900,000 / (700 + 200) and 900,000 / 700
+    assert row[5:7] == ["0 of 3", "0 of 3"]  # no gap above +1% (+1.00% is not above it)
+    assert row[7] == "1000-1286x |"  # 900,000 / (700 + 200) and 900,000 / 700
     assert flagship.main(["--table", *map(str, paths), "--seeds", "2"])[2].split(" | ")[2] == "**+1.00%**"
     assert capsys.readouterr().out
 
