@@ -104,9 +104,9 @@ class TorchftMembership:
             under it); 127.0.0.1 by default, which only workers on this machine reach: name this machine's address
             on the sites' network for a job of several machines. The worker's store, checkpoint server and Manager
             listen on this address only (not on every interface).
-        site_rank, site_size: this process's rank among the site's ranks (its worker's pipeline stages and
-            data-parallel ranks, in the topology's order), and their number (every site
-            of the job must have the same; rank k of a site exchanges with rank k of the others).
+        site_rank: this process's rank among the site's ranks (its worker's pipeline stages and data-parallel
+            ranks, in the topology's order); rank k of a site exchanges with rank k of the others.
+        site_size: the number of the site's ranks (every site of the job must have the same).
         site_group: a gloo group of the site's ranks (its rank 0 first), where rank 0 hands the others the site's
             store and the ranks agree whether to ask for a quorum again; None for a site of one process.
         secret: the job's shared secret (the same on every worker; never logged or saved): the state this worker
