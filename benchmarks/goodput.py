@@ -380,7 +380,7 @@ def transport(kind: str, run_name: str, args: argparse.Namespace):
                                   heartbeat_timeout_ms=int(args.heartbeat_timeout * 1000))  # fmt: skip
     port = int(lighthouse.address().rsplit(":", 1)[1].strip("/"))
     try:
-        yield f"http://localhost:{port}", env
+        yield f"http://localhost:{port}", {**env, "HF_DILOCO_JOB_SECRET": args.secret}  # elastic needs it too
     finally:
         lighthouse.shutdown()
 
@@ -713,7 +713,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)  # the evaluation, on cores the sites share
     work = Path(args.work or tempfile.mkdtemp(prefix="goodput_"))
     work.mkdir(parents=True, exist_ok=True)
-    args.secret = secrets.token_hex(16)  # the store job's secret, to the sites through their environment
+    args.secret = secrets.token_hex(16)  # the job's secret, to the sites through their environment
     from benchmarks.common import prepare_data
 
     if not (work / "data.pt").exists():
