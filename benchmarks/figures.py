@@ -99,6 +99,30 @@ SIGN_LINK = ("sparse/sign120lr1.25_seed*.json", "diloco:compression=sign")
 SLOW_LINK = ("flagship/*.json", "diloco_fp4:inner_steps=120")
 
 
+# The same regime with the seed setting the held-out files, the data order and the shards (benchmarks/results/screen:
+# one run per method and seed, `benchmarks.comm --methods SPEC@2`), and the 20-tokens-per-parameter regime.
+SCREEN_SPECS = {
+    "diloco_h30": "diloco:inner_steps=30,outer_lr=1.0,outer_momentum=0.0@2",
+    "slow_link": "diloco:inner_steps=120,outer_lr=1.0,outer_momentum=0.0,num_fragments=1,sync_delay=0,compression=fp4",
+    "sign_link": "diloco:compression=sign,error_feedback=true,compression_block_size=512,compression_scale_dtype=bf16,"
+    "exchange_pattern=all_gather,outer_momentum=0.0,error_feedback_decay=0.95,inner_steps=120,outer_lr=1.25@2",
+}
+
+
+def screen_gap(name: str, seed: int = 0) -> str:
+    """The gap to DDP of one screened method on one seed, in percent: `+10.66%`."""
+    runs = [load(path)["results"][0] for path in paths(f"screen/*_seed{seed}.json")]
+    [ddp] = [run for run in runs if run["method"] == "ddp@2"]
+    [run] = [run for run in runs if run["method"].startswith(SCREEN_SPECS[name])]
+    return f"{100 * (run['eval_loss'] / ddp['eval_loss'] - 1):+.2f}%"
+
+
+def regime_gap(method: str, seed: int = 0) -> str:
+    """The gap to DDP at 20 tokens per parameter (benchmarks.paper_regime), one seed, in percent."""
+    ddp = load(f"paper_regime/ddp_seed{seed}.json")["result"]["eval_loss"]
+    return f"{100 * (load(f'paper_regime/{method}_seed{seed}.json')['result']['eval_loss'] / ddp - 1):+.2f}%"
+
+
 def comm_fewer_bytes(name: str, method: str) -> str:
     results = {result["method"]: result for result in load(name)["results"]}
     return f"{results['ddp']['bytes_per_token'] / results[method]['bytes_per_token']:.0f}x"
@@ -189,6 +213,11 @@ FIGURES: dict[str, Figure] = {
     "sign_link_gap_ten_seeds": Figure(SIGN_LINK[0], lambda: gap(*SIGN_LINK, range(10))),
     "slow_link_fewer_bytes": Figure(SLOW_LINK[0], lambda: fewer_bytes(*SLOW_LINK, range(2, 12))),
     "slow_link_gap_held_out": Figure(SLOW_LINK[0], lambda: gap(*SLOW_LINK, range(7, 12))),
+    "diloco_h30_gap_seed0": Figure("screen/*_seed0.json", lambda: screen_gap("diloco_h30")),
+    "slow_link_gap_seed0": Figure("screen/*_seed0.json", lambda: screen_gap("slow_link")),
+    "sign_link_gap_seed0": Figure("screen/*_seed0.json", lambda: screen_gap("sign_link")),
+    "regime_diloco_gap_seed0": Figure("paper_regime/*_seed0.json", lambda: regime_gap("diloco")),
+    "regime_slow_link_gap_seed0": Figure("paper_regime/*_seed0.json", lambda: regime_gap("slow_link")),
     "streaming_fp4_fewer_bytes": Figure(
         "comm_targets.json", lambda: comm_fewer_bytes("comm_targets.json", "streaming_fp4")
     ),
