@@ -46,6 +46,7 @@ import math
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,7 @@ import torch
 
 from benchmarks.common import RESULTS_DIR, command_line
 
+BAND = 0.8  # the loss band: the rounds from BAND x T to T tokens
 ROOT = Path(__file__).resolve().parent.parent
 SITES = 4
 HEALTHY, KILLED, SLOWED, PAUSED = 0, 1, 2, 3
@@ -532,9 +534,17 @@ def evaluate_runs(results: dict[str, dict], work: Path, args: argparse.Namespace
         metas = [(path, torch.load(path)) for path in thetas]
         metas = [(path, meta) for path, meta in metas if meta["time"] <= results[name]["window_end_time"]]
         losses[name] = {key: at_tokens(metas, tokens, loss_of) for key, tokens in points.items()}
+        losses[name].update({f"{key}_band": band(metas, tokens, loss_of) for key, tokens in points.items()})
         curve = metas[:: max(1, args.eval_every)]
         losses[name]["curve"] = [(meta["tokens"], loss_of(path)) for path, meta in curve]
     return {"tokens": points, "losses": losses}
+
+
+def band(metas: list[tuple[Path, dict]], tokens: float, loss_of: Callable[[Path], float]) -> float:
+    """The mean eval loss of θg over the rounds whose tokens lie in [BAND x `tokens`, `tokens`]: one round's θg can
+    sit on a spike of the loss (the fault-free runs have them too), the band averages a few rounds' worth."""
+    losses = [loss_of(path) for path, meta in metas if BAND * tokens <= meta["tokens"] <= tokens]
+    return statistics.fmean(losses) if losses else math.nan
 
 
 def at_tokens(metas: list[tuple[Path, dict]], tokens: float, loss_of: Callable[[Path], float]) -> float:
@@ -586,11 +596,16 @@ def table(results: dict[str, dict], evals: dict, args: argparse.Namespace) -> st
         lambda n, r: f"{r['killed_site_back_seconds']:.1f}" if "killed_site_back_seconds" in r else "-")  # fmt: skip
     for key, label in (("all_runs", "every run"), ("store_runs", "the store runs")):
         tokens = evals["tokens"][key]
-        row(f"eval loss at {tokens:,.0f} tokens ({label})", lambda n, r, k=key: number(evals["losses"][n][k], ".4f"))
-        if clean is not None:
-            reference = evals["losses"]["store_clean"][key]
-            row(f"gap against the store without faults ({label})",
-                lambda n, r, k=key, ref=reference: number(100 * (evals["losses"][n][k] / ref - 1), "+.2f", "%"))  # fmt: skip
+        for kind, what in (
+            (key, f"at {tokens:,.0f} tokens"),
+            (f"{key}_band", f"from {BAND:g} x to {tokens:,.0f} tokens"),
+        ):
+            row(f"eval loss {what} ({label})", lambda n, r, k=kind: number(evals["losses"][n].get(k, math.nan), ".4f"))
+            if clean is not None:
+                reference = evals["losses"]["store_clean"].get(kind, math.nan)
+                row(f"gap against the store without faults, {what} ({label})",
+                    lambda n, r, k=kind, ref=reference: number(100 * (evals["losses"][n].get(k, math.nan) / ref - 1),
+                                                               "+.2f", "%"))  # fmt: skip
     lines = ["| | " + " | ".join(LABELS[n] for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows]
     return "\n".join(lines) + "\n\n" + caption(args) + "\n"
@@ -665,6 +680,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--pin", action="store_true", help="Pin site i to CPU i mod the CPU count.")
     parser.add_argument("--out", default=str(Path(RESULTS_DIR) / "goodput"), help="Writes OUT.json and OUT.md.")
     parser.add_argument("--work", default=None, help="Folder for data, logs and θg files (default: a temp dir).")
+    parser.add_argument("--rescore", default=None, metavar="JSON",
+                        help="Score the runs of this earlier report again (its --work must still hold their θg): "
+                        "no site is started.")  # fmt: skip
     return parser
 
 
@@ -711,6 +729,10 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     args = parse(argv)
     torch.set_num_threads(1)  # the evaluation, on cores the sites share
+    if args.rescore:
+        earlier = json.loads(Path(args.rescore).read_text())
+        settings = {**earlier["settings"], "out": args.out, "rescore": args.rescore}
+        return finish(earlier["runs"], argparse.Namespace(**settings), Path(settings["work"]), argv)
     work = Path(args.work or tempfile.mkdtemp(prefix="goodput_"))
     work.mkdir(parents=True, exist_ok=True)
     args.secret = secrets.token_hex(16)  # the job's secret, to the sites through their environment
