@@ -282,7 +282,10 @@ def core_at(revision: str) -> SimpleNamespace:
     and yaml, and itself by relative imports), with the modules `sync_cost` uses under their flat names (a revision
     whose core is in rooms lists where each went in its `MOVED`)."""
     names = subprocess.run(
-        ["git", "ls-tree", "-r", "--name-only", f"{revision}:hf_diloco/core"], capture_output=True, text=True, check=True
+        ["git", "ls-tree", "-r", "--name-only", f"{revision}:hf_diloco/core"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     name = "core_at_" + "".join(c if c.isalnum() else "_" for c in revision)
     folder = Path(tempfile.mkdtemp()) / name

@@ -39,11 +39,19 @@ class RunsACommand:
 
 
 def _launch(command: list[str], log: Path, env: dict[str, str] | None = None, preexec=None) -> subprocess.Popen:
-    """A process in a session of its own, its output in `log` (a pipe left unread would stop a long run)."""
+    """A process in a session of its own, its output in `log` (a pipe left unread would stop a long run), with
+    SIGINT's default disposition, as a terminal gives it: a suite started in the background (`make test &`) passes
+    its children SIGINT ignored, and a program keeps an ignored signal ignored."""
+
+    def start() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        if preexec is not None:
+            preexec()
+
     with open(log, "wb") as handle:
         return subprocess.Popen(
             command, cwd=ROOT, env=_environment(env), stdout=handle, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=preexec,
+            start_new_session=True, preexec_fn=start,
         )  # fmt: skip
 
 
