@@ -177,9 +177,8 @@ class ElasticRounds:
     def __init__(self, engine: ElasticEngine, membership: Membership):
         self.engine = engine
         self.membership = membership
-        self.log = MembershipLog(
-            site=getattr(membership, "replica_id", "this site"), min_workers=engine.config.min_workers
-        )
+        site = getattr(membership, "replica_id", "this site")
+        self.log = MembershipLog(site=site, min_workers=engine.config.min_workers)
         # ("launch" | "tail", fragment, inner step of the launch) from a launch until its exchange is committed
         self._phase: tuple[str, int, int] | None = None
         self._tails_done: list[int] = []
@@ -187,10 +186,7 @@ class ElasticRounds:
         self._weight = 0.0  # `balanced`: the steps this worker's Δ of the exchange being formed covers
         self._contributing = {fragment.index for fragment in engine.fragments}
         self.alone_without_state = False  # see `check_can_train`
-        stats = engine.stats
-        stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
-        stats.exchange_retries = stats.heals = stats.heal_bytes = 0
-        stats.heal_seconds = 0.0
+        _zero_membership_stats(engine.stats)
         membership.bind(self.global_state, self.load_global_state, lambda: theta_digest(engine.fragments, self._phase))
 
     # ----------------------------------------------------------------------------------------------- the engine's
@@ -481,6 +477,12 @@ def theta_digest(fragments: list[Fragment], phase: tuple[str, int, int] | None) 
         digest.update(struct.pack("<q", int(theta.view(torch.int32).sum(dtype=torch.int64))))
         digest.update(theta[::1021].cpu().numpy().tobytes())
     return digest.digest()
+
+
+def _zero_membership_stats(stats: EngineStats) -> None:
+    stats.workers_in_round = stats.membership_joins = stats.membership_drops = 0
+    stats.exchange_retries = stats.heals = stats.heal_bytes = 0
+    stats.heal_seconds = 0.0
 
 
 def _count_membership(stats: EngineStats, view: RoundView) -> None:
