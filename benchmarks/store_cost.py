@@ -89,7 +89,15 @@ def sealed_bytes(header: dict, payload_bytes: int = 0) -> int:
 
 
 def share_header(share: list[tuple[str, int, int]], codec: str) -> dict:
-    return {**NAMED, "kind": "shard", "shard": 0, "segments": [list(s) for s in share], "codec": codec}
+    # "encrypted": the values of a job with a secret are encrypted (sealing.seal), and a store job has one
+    return {
+        **NAMED,
+        "kind": "shard",
+        "shard": 0,
+        "segments": [list(s) for s in share],
+        "codec": codec,
+        "encrypted": True,
+    }
 
 
 def contribution(staleness: bool = False) -> dict:
