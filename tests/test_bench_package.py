@@ -17,7 +17,9 @@ import benchmarks
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "benchmarks"
 MODULES = sorted(
-    info.name for info in pkgutil.iter_modules(benchmarks.__path__) if info.name not in ("common", "netns")
+    info.name
+    for info in pkgutil.iter_modules(benchmarks.__path__)
+    if info.name not in ("common", "netns", "store_counts")  # helpers, not benchmarks
 )
 
 

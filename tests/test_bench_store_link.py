@@ -94,6 +94,8 @@ def test_quick_run_over_a_shaped_link(tmp_path):
     assert 0.9 < store["down_bytes_per_site_round"] / gloo["down_bytes_per_site_round"] < 1.2
     requests = store["requests_per_site_round"]
     assert requests["put/share"] == requests["put/record"] == requests["put/heartbeat"] == 1
-    assert requests["put/manifest"] == 0.5 and requests["get/share"] == 1 and requests["get/record"] == 2
+    # One manifest per round between two sites: 0.5 per site, up to 1 where both saw the quorum at once and both
+    # tried to create it (the create-if-absent keeps one: tests/test_store.py's race).
+    assert 0.5 <= requests["put/manifest"] <= 1 and requests["get/share"] == 1 and requests["get/record"] == 2
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"hfdwan{os.getpid()}-" not in namespaces  # the link is gone
