@@ -87,6 +87,18 @@ REGIMES = {
 # ----------------------------------------------------------------------------------------------- command lines
 
 
+class EventLog:
+    """A benchmark process's events, one JSON line each with its time, flushed as written (a killed process keeps
+    what it wrote)."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a")
+
+    def __call__(self, kind: str, **fields: object) -> None:
+        self.file.write(json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
+        self.file.flush()
+
+
 def command_line(module: str, argv: Sequence[str] | None = None) -> str:
     """The shell command that runs `benchmarks.<module>` with `argv` (default: this process's arguments)."""
     return shlex.join(["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])

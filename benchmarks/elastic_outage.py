@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import netns
-from benchmarks.common import RESULTS_DIR, command_line
+from benchmarks.common import RESULTS_DIR, EventLog, command_line
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 3
@@ -208,15 +208,6 @@ def batch_for(slot: int, step: int, batch: int, sequence: int, vocab: int) -> di
     generator = torch.Generator().manual_seed(1_000_003 * slot + step)
     ids = torch.randint(0, vocab, (batch, sequence), generator=generator)
     return {"input_ids": ids, "labels": ids}
-
-
-class EventLog:
-    def __init__(self, path: Path):
-        self.file = path.open("a")
-
-    def __call__(self, kind: str, **fields: object) -> None:
-        self.file.write(json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
-        self.file.flush()
 
 
 def worker_main(cli: argparse.Namespace) -> None:

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, command_line
+from benchmarks.common import RESULTS_DIR, EventLog, command_line, write_results
 
 BAND = 0.8  # the loss band: the rounds from BAND x T to T tokens
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,15 +105,6 @@ QUICK = {
 
 
 # ----------------------------------------------------------------------------------------------- the worker
-
-
-class EventLog:
-    def __init__(self, path: Path):
-        self.file = path.open("a")
-
-    def __call__(self, kind: str, **fields: object) -> None:
-        self.file.write(json.dumps({"kind": kind, "time": time.time(), **fields}) + "\n")
-        self.file.flush()
 
 
 def worker_main(cli: argparse.Namespace) -> None:
@@ -755,12 +746,8 @@ def finish(results: dict[str, dict], args: argparse.Namespace, work: Path, argv:
     settings = {key: value for key, value in vars(args).items() if key != "secret"}
     report = {"command": command_line("goodput", argv), "settings": settings, "runs": results, "eval": evals,
               "table": report_table}  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(report, indent=1) + "\n")
-    Path(f"{out}.md").write_text(report_table)
-    print(report_table)
-    print(f"wrote {out}.json and {out}.md; logs and θg in {work}")
+    write_results(args.out, report, report_table)
+    print(f"wrote {args.out}.json and {args.out}.md; logs and θg in {work}")
     return report
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import netns
-from benchmarks.common import RESULTS_DIR, command_line
+from benchmarks.common import RESULTS_DIR, command_line, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 S3_PORT = 29600
@@ -436,12 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
     text = table(results, tcp, args)
     report = {"command": command_line("store_link", argv), "settings": vars(args), "tcp": tcp, "runs": results,
               "table": text}  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{out}.json").write_text(json.dumps(report, indent=1) + "\n")
-    Path(f"{out}.md").write_text(text)
-    print(text)
-    print(f"wrote {out}.json and {out}.md; logs in {work}")
+    write_results(args.out, report, text)
+    print(f"wrote {args.out}.json and {args.out}.md; logs in {work}")
     return report
 
 
