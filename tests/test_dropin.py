@@ -168,8 +168,9 @@ def two_processes(tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_two_processes_end_identical_and_save_loadable_folder_with_card(two_processes):
     numel = _num_parameters()
-    # Per sync: the 24-byte schedule tag, then the fp32 all_to_all and all_gather of halves.
-    expected_bytes = STEPS // H * (24 + 2 * (2 - 1) * 4 * -(-numel // 2))
+    # Per sync: the 24-byte schedule tag, the 4-byte norm robust clipping gathers, then the fp32 all_to_all and
+    # all_gather of halves.
+    expected_bytes = STEPS // H * (24 + 4 + 2 * (2 - 1) * 4 * -(-numel // 2))
     for run in ("full", "resumed"):
         folder = two_processes / run
         first, second = _params(folder, 0), _params(folder, 1)

@@ -52,9 +52,9 @@ def test_only_adapters_are_exchanged_and_ranks_agree(lora_run):
         if "lora_" not in name:
             assert torch.equal(value, base[name.replace(".base_layer", "")]), f"frozen {name} changed"
     assert any(v.abs().sum() > 0 for n, v in lora.items() if "lora_B" in n), "LoRA B starts at zero and must train"
-    # Bytes: per outer sync, the 24-byte schedule tag, then all_to_all + all_gather of fp32 halves of the LoRA
-    # parameters only.
-    expected = STEPS // H * (24 + 2 * (2 - 1) * 4 * -(-_lora_numel() // 2))
+    # Bytes: per outer sync, the 24-byte schedule tag, the 4-byte norm robust clipping gathers, then all_to_all +
+    # all_gather of fp32 halves of the LoRA parameters only.
+    expected = STEPS // H * (24 + 4 + 2 * (2 - 1) * 4 * -(-_lora_numel() // 2))
     card = (lora_run / "README.md").read_text()
     assert has_diloco_tag(lora_run / "README.md") and f"({expected:,} bytes)" in card, card
 
