@@ -109,8 +109,10 @@ def test_quick_benchmark_reports_every_method_and_cleans_up(tmp_path):
     assert 0.95 < ddp_ratio < 1.5, ddp_ratio
     # DiLoCo fp32, M = 2: per sync each rank sends half the vector in the all_to_all and half in the all_gather.
     assert rows["diloco"]["outer_steps"] == QUICK_STEPS // QUICK_H
-    # plus the 24-byte schedule tag each worker sends its peer before every sync
-    assert rows["diloco"]["package_bytes_sent_per_rank"] == QUICK_STEPS // QUICK_H * (grad_bytes + 24)
+    # plus the 24-byte schedule tag each worker sends its peer before every sync, and the 4-byte norm robust
+    # clipping gathers
+    per_sync = grad_bytes + 24 + 4
+    assert rows["diloco"]["package_bytes_sent_per_rank"] == QUICK_STEPS // QUICK_H * per_sync
     for method in ("diloco", "streaming", "diloco_x"):
         package = rows[method]["package_bytes_sent_per_rank"]
         ratio = rows[method]["wire_tx_bytes_per_rank"] / package
