@@ -62,7 +62,7 @@ def _launch(base: Path, mode: str, stopped_peer: bool = False, timeout: float = 
         processes.append(process)
     try:
         processes[0].wait(timeout=timeout)
-        processes[1].wait(timeout=5 if stopped_peer else 120)
+        processes[1].wait(timeout=1 if stopped_peer else 120)
     except subprocess.TimeoutExpired:
         pass
     finally:
@@ -206,7 +206,7 @@ def test_no_token_lands_in_any_file_written(sequence):
 def test_a_peer_stopped_while_saving_fails_the_save_within_the_bound(tmp_path, stall_in, point):
     """Rank 1 is SIGSTOPped while saving checkpoint-4, after writing its files or (with a tracked best metric, where
     the Trainer's own save waits for every rank) before the model is saved: rank 0 raises within
-    sync_timeout_seconds (20 s) naming the point and rank 1, and leaves checkpoint-4 without a manifest, which no
+    sync_timeout_seconds (8 s) naming the point and rank 1, and leaves checkpoint-4 without a manifest, which no
     later run resumes from."""
     start = time.time()
     mode = f"stall_in_{stall_in}"
@@ -214,9 +214,9 @@ def test_a_peer_stopped_while_saving_fails_the_save_within_the_bound(tmp_path, s
     result = _results(tmp_path, mode, 0)
     error = result["train"]
     assert error["error"] == "PeerTimeoutError", logs[0][-4000:]
-    assert error["message"].startswith(f"Rank(s) [1] did not reach {point} within sync_timeout_seconds=20 s")
+    assert error["message"].startswith(f"Rank(s) [1] did not reach {point} within sync_timeout_seconds=8 s")
     stalled_at = float((tmp_path / "stall" / "stalled_at").read_text())
-    assert 15 <= result["failed_at"] - stalled_at <= 35
+    assert 6 <= result["failed_at"] - stalled_at <= 23
     checkpoint = tmp_path / "stall" / "checkpoint-4"
     assert (checkpoint / "model.safetensors").is_file() and not (checkpoint / MANIFEST_NAME).exists()
     with pytest.raises(CheckpointError, match="checkpoint-4: .*incomplete"):

@@ -211,7 +211,7 @@ def stall_at_save(base: Path, rank: int, stall_in: str) -> dict[str, Any]:
     best = (
         dict(eval_strategy="steps", eval_steps=SAVE_STEPS, metric_for_best_model="loss") if stall_in == "model" else {}
     )
-    trainer, _ = make_trainer(base / "stall", trainer_class=StallingTrainer, sync_timeout_seconds=20, **best)
+    trainer, _ = make_trainer(base / "stall", trainer_class=StallingTrainer, sync_timeout_seconds=8, **best)
     return {"train": attempt(trainer.train), "failed_at": time.time()}
 
 
