@@ -450,7 +450,7 @@ def test_ranks_that_built_different_tokenizers_and_data_are_refused_at_start(tmp
     ],
 )
 def test_a_stalled_peer_at_the_jobs_own_global_points_fails_within_the_bound(tmp_path, step, point):
-    bound = 10
+    bound = 6
     command = [str(PER_RANK_SCRIPT), "--stall_rank_1_after", step, "--config", str(_small_config(tmp_path)),
                "--use_cpu", "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--save_steps", "2",
                "--sync_timeout_seconds", str(bound)]  # fmt: skip
