@@ -208,7 +208,8 @@ def test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join(job, mode)
     worker ends with the same θg and the membership counters say what happened. The delayed case also clips
     outliers (`robust_clip_factor`), its joiner's zeros left out of the median."""
     lost_at = 12
-    codec = ["--compression", "fp4", "--error_feedback", *mode]
+    # The survivors wait out sync_timeout for the killed worker: 5 s, not the worker's default 10 s.
+    codec = ["--compression", "fp4", "--error_feedback", "--sync_timeout", "5", *mode]
     kill_mid_exchange_and_restart(job, lost_at, codec, wait_at=lost_at + 3)
     theta = assert_same_global(job, ["worker0", "worker1", "worker2"])
     assert all(bool(torch.isfinite(value).all()) for value in theta.values())
