@@ -69,7 +69,7 @@ def main() -> None:
         site_host="127.0.0.1",
         start_workers=2,
         min_workers_timeout=60,
-        membership_sync_timeout=10,
+        membership_sync_timeout=5,
     )
     topology = Topology.from_default_group(1, 2, config.sync_timeout_seconds)
     model = tiny_model(seed=slot)  # each site its own initial weights: the first group makes them start alike
