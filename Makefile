@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= tiny_diloco
 
-.PHONY: setup run run-multi test test-fast lint bench docs docs-build figures clean
+.PHONY: setup run run-multi test test-fast test-bench lint bench docs docs-build figures clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -31,11 +31,15 @@ run-multi: setup
 		--output_dir outputs/make_run/$(notdir $(basename $(CONFIG)))_2proc
 
 test: setup
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -m "not bench"
 
 # The inner loop of a change: everything but the end-to-end (`slow`) and elastic tiers (tests/conftest.py).
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not slow and not elastic"
+	$(BIN)/python -m pytest tests -m "not slow and not elastic and not bench"
+
+# The benchmark scripts' quick runs (tests/conftest.py's `bench` tier): run them before stored results change.
+test-bench: setup
+	$(BIN)/python -m pytest tests -m bench
 
 lint: setup
 	$(BIN)/ruff check hf_diloco scripts benchmarks tests docs/hooks.py

@@ -1,11 +1,16 @@
-"""The suite's tiers: `make test` runs everything (what CI runs); `make test-fast` leaves out the `slow` and `elastic`
-tiers for the inner loop of a change.
+"""The suite's tiers: `make test` runs everything but the `bench` tier (what CI runs, within its 30 minutes);
+`make test-fast` leaves out the `slow`, `elastic` and `bench` tiers for the inner loop of a change; `make test-bench`
+runs the `bench` tier.
 
 - `slow`: the modules that run whole jobs end to end (the main job, Trainers on several processes, the built wheel,
   the benchmarks' smoke runs, subprocess launches) and a few engine tests of a minute or more. A module is slow by its
   name below, so a new end-to-end module joins the tier by adding one line here.
 - `elastic`: workers under a torchft Lighthouse; skipped, saying why, where torchft is not installed (the `elastic`
   extra).
+- `bench`: the quick runs of the benchmark scripts that take 20 s or more each (whole benchmarks on several
+  processes, shaped links, fault schedules): they check the scripts that write BENCHMARKS.md's numbers, not the
+  package a user runs, so they run with `make test-bench` (about 4 minutes), before stored results change. The other
+  `test_bench_*` modules (every module's `--help`, the formulas, the plots) stay in `make test`.
 - `gpu`: needs CUDA (registered in pyproject.toml); each such test skips with its reason where none is present.
 """
 
@@ -102,6 +107,17 @@ ELASTIC_MODULES = {
 }
 
 
+BENCH_RUN_MODULES = {
+    "test_bench_goodput",
+    "test_bench_store_link",
+    "test_bench_unequal_sites",
+    "test_bench_wan_smoke",
+    "test_bench_peers",
+    "test_bench_comm_specs",
+    "test_bench_eager_estimate",
+}
+
+
 # The exchange through an object store reaches it with obstore (the `store` extra).
 STORE_MODULES = {"test_store", "test_store_sites", "test_store_pretrain"}
 
@@ -109,6 +125,7 @@ STORE_MODULES = {"test_store", "test_store_sites", "test_store_pretrain"}
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: runs whole jobs end to end; left out by `make test-fast`")
     config.addinivalue_line("markers", "elastic: workers under a torchft Lighthouse (the `elastic` extra)")
+    config.addinivalue_line("markers", "bench: the benchmark scripts' quick runs; `make test-bench` runs them")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -122,6 +139,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             or (item.originalname in SLOW_TESTS or item.name in SLOW_TESTS)
         ):
             item.add_marker(pytest.mark.slow)
+        if module in BENCH_RUN_MODULES:
+            item.add_marker(pytest.mark.bench)
         if module in STORE_MODULES and without_obstore:
             item.add_marker(pytest.mark.skip(reason="a store is reached with obstore: pip install 'hf_diloco[store]'"))
         if module in ELASTIC_MODULES:
