@@ -175,6 +175,7 @@ def two_workers(
     secrets: tuple = (SECRET, SECRET),
     min_workers: int = 2,
     leave_on_error: bool = True,
+    quorum_timeout: int = 20,
 ) -> tuple[list, list, list, list]:
     """`TorchftMembership`s joining at once (one thread each; two unless more names are given): their memberships,
     views, errors and the states they loaded in a heal. A worker whose `begin_round` raised leaves the job, as its
@@ -188,7 +189,7 @@ def two_workers(
             min_workers=min_workers,
             min_workers_timeout=30,
             sync_timeout=10,
-            quorum_timeout=20,
+            quorum_timeout=quorum_timeout,
             host=HOST,
             secret=secret,
             insecure_no_secret=secret is None,
@@ -240,11 +241,11 @@ def test_a_torchft_heal_from_a_hostile_peer_is_refused_and_servers_listen_on_the
     hostile = {"global": [torch.zeros(2)], "evil": Payload(marker)}
     started = time.monotonic()
     memberships, views, errors, loaded = two_workers(
-        lighthouse, ["site_a", "site_b"], [hostile, hostile], min_workers=1, leave_on_error=False
+        lighthouse, ["site_a", "site_b"], [hostile, hostile], min_workers=1, leave_on_error=False, quorum_timeout=6
     )
     try:
         # At step 0 one worker heals from the other (torchft's first sync): that one refuses, nothing ran.
-        # (the other, left waiting for the refused one in its group, stops at its quorum_timeout: 20 s here)
+        # (the other, left waiting for the refused one in its group, stops at its quorum_timeout: 6 s here)
         refused = [error for error in errors if isinstance(error, HealStateRefused)]
         assert len(refused) == 1, errors
         assert "objects other than tensors and plain containers" in str(refused[0])
@@ -265,7 +266,9 @@ def test_two_live_workers_under_one_replica_id_are_refused(lighthouse):
     from hf_diloco.backends.torchft_membership import DuplicateReplicaId
 
     state = {"global": [torch.zeros(2)]}
-    memberships, views, errors, _ = two_workers(lighthouse, ["site_a", "site_a"], [state, state], min_workers=1)
+    memberships, views, errors, _ = two_workers(
+        lighthouse, ["site_a", "site_a"], [state, state], min_workers=1, quorum_timeout=6
+    )
     try:
         duplicates = [error for error in errors if isinstance(error, DuplicateReplicaId)]
         assert len(duplicates) == 1, errors

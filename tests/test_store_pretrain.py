@@ -134,11 +134,15 @@ def test_a_store_cut_off_past_its_bound_stops_the_site_saved_and_the_same_comman
         assert "'diloco/inner_step': '16'" in again.stdout + again.stderr  # it went on from its checkpoint-12
         assert "'diloco/inner_step': '4'" not in again.stdout + again.stderr
         assert (tmp_path / "out" / "model.safetensors").exists()
-        brief = subprocess.Popen([*argv[:-2], "--store_url", "s3://job-bucket/brief", "--output_dir", "out-brief"],
-                                 cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-        time.sleep(25)
-        relay.cut()
-        time.sleep(1.5)  # under the bound: the requests are retried and go through
-        relay.restore()
-        output = brief.communicate(timeout=400)[0].decode(errors="replace")
+        brief_log = tmp_path / "brief.log"
+        with brief_log.open("wb") as out:
+            brief = subprocess.Popen([*argv[:-2], "--store_url", "s3://job-bucket/brief", "--output_dir", "out-brief"],
+                                     cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            while "'diloco/inner_step': '8'" not in brief_log.read_text(errors="replace") and brief.poll() is None:
+                time.sleep(0.05)
+            relay.cut()
+            time.sleep(1.5)  # under the bound: the requests are retried and go through
+            relay.restore()
+            brief.wait(400)
+        output = brief_log.read_text(errors="replace")
         assert brief.returncode == 0, output[-3000:]
