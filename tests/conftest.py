@@ -9,7 +9,7 @@ runs the `bench` tier.
   extra).
 - `bench`: the quick runs of the benchmark scripts that take 20 s or more each (whole benchmarks on several
   processes, shaped links, fault schedules): they check the scripts that write BENCHMARKS.md's numbers, not the
-  package a user runs, so they run with `make test-bench` (about 4 minutes), before stored results change. The other
+  package a user runs, so they run with `make test-bench`, before stored results change. The other
   `test_bench_*` modules (every module's `--help`, the formulas, the plots) stay in `make test`.
 - `gpu`: needs CUDA (registered in pyproject.toml); each such test skips with its reason where none is present.
 """
