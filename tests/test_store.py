@@ -93,6 +93,18 @@ def test_a_round_weighs_contributions_by_tokens_over_one_plus_staleness():
     assert sum(e.weight for e in entries) == pytest.approx(1.0)
 
 
+def test_a_round_s_weights_are_the_same_bits_whatever_order_the_contributions_came_in():
+    """The weights are sums of thirds and units: in floating point their total depends on the order it is summed in,
+    so weigh sums in the entries' own order (the manifest's), and a replay summing as written gets the same bits."""
+    contributions = [_contribution("a", 6, 4), _contribution("b", 6, 4), _contribution("c", 4, 4),
+                     _contribution("d", 6, 4), _contribution("e", 5, 4)]  # fmt: skip
+    orders = [contributions, contributions[::-1], contributions[2:] + contributions[:2]]
+    weights = [[e.weight for e in weigh(order, 7, 2)] for order in orders]
+    assert weights[0] == weights[1] == weights[2]
+    raw = [4 / (1 + e.staleness) for e in weigh(contributions, 7, 2)]
+    assert weights[0] == [value / sum(raw) for value in raw]
+
+
 def test_robust_clipping_scales_a_far_larger_contribution_down_to_the_factor_times_the_lower_median():
     entries = weigh([_contribution("a", 0, norm=1.0), _contribution("b", 0, norm=30.0)], 1, 2, clip_factor=3.0)
     assert [e.clip for e in entries] == pytest.approx([1.0, 3.0 / 30.0])

@@ -138,8 +138,8 @@ def weigh(
         staleness = round_ - 1 - contribution.base
         if 0 <= staleness <= max_staleness and contribution.tokens > 0:
             kept.append((contribution, staleness, contribution.tokens / (1 + staleness)))
+    kept.sort(key=lambda item: item[0].ident)  # first: the total's rounding then depends on the set, not on arrivals
     total = sum(raw for _, _, raw in kept)
-    kept.sort(key=lambda item: item[0].ident)
     norms = sorted(contribution.norm for contribution, _, _ in kept)
     bound = clip_factor * norms[(len(norms) - 1) // 2] if clip_factor > 0 and len(norms) > 1 else 0.0
     entries = []
