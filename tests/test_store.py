@@ -94,14 +94,15 @@ def test_a_round_weighs_contributions_by_tokens_over_one_plus_staleness():
 
 
 def test_a_round_s_weights_are_the_same_bits_whatever_order_the_contributions_came_in():
-    """The weights are sums of thirds and units: in floating point their total depends on the order it is summed in,
-    so weigh sums in the entries' own order (the manifest's), and a replay summing as written gets the same bits."""
-    contributions = [_contribution("a", 6, 4), _contribution("b", 6, 4), _contribution("c", 4, 4),
-                     _contribution("d", 6, 4), _contribution("e", 5, 4)]  # fmt: skip
-    orders = [contributions, contributions[::-1], contributions[2:] + contributions[:2]]
-    weights = [[e.weight for e in weigh(order, 7, 2)] for order in orders]
+    """tokens / (1 + staleness) are thirds and fifths: their total's rounding depends on the order it is summed in
+    (here the arrival order c, d, e, a, b and the site order differ in the last bit), so weigh sums in the entries' own
+    order, the manifest's, and a replay summing them as written gets the same bits."""
+    arrived = [_contribution("c", 4, 200), _contribution("d", 6, 200), _contribution("e", 6, 96),
+               _contribution("a", 8, 512), _contribution("b", 6, 512)]  # fmt: skip
+    orders = [arrived, arrived[::-1], sorted(arrived, key=lambda c: c.site)]
+    weights = [[e.weight for e in weigh(order, 9, 4)] for order in orders]
     assert weights[0] == weights[1] == weights[2]
-    raw = [4 / (1 + e.staleness) for e in weigh(contributions, 7, 2)]
+    raw = [e.contribution.tokens / (1 + e.staleness) for e in weigh(arrived, 9, 4)]
     assert weights[0] == [value / sum(raw) for value in raw]
 
 
