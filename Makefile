@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= tiny_diloco
 
-.PHONY: setup run run-multi test test-fast test-bench lint bench docs docs-build figures clean
+.PHONY: setup run run-multi test test-fast test-bench test-all lint bench docs docs-build figures clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -31,15 +31,19 @@ run-multi: setup
 		--output_dir outputs/make_run/$(notdir $(basename $(CONFIG)))_2proc
 
 test: setup
-	$(BIN)/python -m pytest tests -m "not bench"
+	$(BIN)/python -m pytest tests -m "not bench and not long"
 
 # The inner loop of a change: everything but the end-to-end (`slow`) and elastic tiers (tests/conftest.py).
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not slow and not elastic and not bench"
+	$(BIN)/python -m pytest tests -m "not slow and not elastic and not bench and not long"
 
 # The benchmark scripts' quick runs (tests/conftest.py's `bench` tier): run them before stored results change.
 test-bench: setup
 	$(BIN)/python -m pytest tests -m bench
+
+# Every tier: make test, the bench tier and the long end-to-end scenarios (tests/conftest.py), before a release.
+test-all: setup
+	$(BIN)/python -m pytest tests
 
 lint: setup
 	$(BIN)/ruff check hf_diloco scripts benchmarks tests docs/hooks.py

@@ -1,16 +1,21 @@
-"""The suite's tiers: `make test` runs everything but the `bench` tier (what CI runs, within its 30 minutes);
-`make test-fast` leaves out the `slow`, `elastic` and `bench` tiers for the inner loop of a change; `make test-bench`
-runs the `bench` tier.
+"""The suite's tiers: `make test` runs everything but the `bench` and `long` tiers (what CI runs, within its 30
+minutes on 2 cores); `make test-fast` leaves out the `slow`, `elastic`, `bench` and `long` tiers for the inner loop of a
+change; `make test-bench` runs the `bench` tier, `make test-all` every tier (before a release).
 
 - `slow`: the modules that run whole jobs end to end (the main job, Trainers on several processes, the built wheel,
   the benchmarks' smoke runs, subprocess launches) and a few engine tests of a minute or more. A module is slow by its
   name below, so a new end-to-end module joins the tier by adding one line here.
 - `elastic`: workers under a torchft Lighthouse; skipped, saying why, where torchft is not installed (the `elastic`
   extra).
-- `bench`: the quick runs of the benchmark scripts that take 20 s or more each (whole benchmarks on several
-  processes, shaped links, fault schedules): they check the scripts that write BENCHMARKS.md's numbers, not the
-  package a user runs, so they run with `make test-bench`, before stored results change. The other
-  `test_bench_*` modules (every module's `--help`, the formulas, the plots) stay in `make test`.
+- `bench`: measurements and sweeps, run with `make test-bench` before stored results or pinned releases change: the
+  quick runs of the benchmark scripts that take 20 s or more each (they check the scripts that write BENCHMARKS.md,
+  not the package a user runs), the tests that time a run (a slowed site's share of the waiting: speed is what the
+  benchmarks measure, and 2 loaded cores make such a test's timing its neighbours'), and the sweep of every
+  transformers model family through the pipeline stages (it changes with the pinned transformers, not with this
+  package). The other `test_bench_*` modules (every module's `--help`, the formulas, the plots) stay in `make test`.
+- `long`: end-to-end scenarios of 40 s or more whose rule a faster test in `make test` checks too (each named below
+  with that test): a second overlap mode under the same drop and join, a store cut past its bound through the main
+  job, three sites of two ranks each.
 - `gpu`: needs CUDA (registered in pyproject.toml); each such test skips with its reason where none is present.
 """
 
@@ -107,7 +112,8 @@ ELASTIC_MODULES = {
 }
 
 
-BENCH_RUN_MODULES = {
+BENCH_MODULES = {
+    "test_pipeline_families",
     "test_bench_goodput",
     "test_bench_store_link",
     "test_bench_unequal_sites",
@@ -115,6 +121,24 @@ BENCH_RUN_MODULES = {
     "test_bench_peers",
     "test_bench_comm_specs",
     "test_bench_eager_estimate",
+}
+LONG_TESTS = {
+    # test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join[streaming] stays, and the background
+    # exchange lost in flight (test_a_worker_lost_with_a_background_exchange_in_flight_matches_the_reference).
+    "test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join[streaming_tau1]",
+    "test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join[eager]",
+    "test_each_overlap_mode_with_a_lossy_codec_under_a_drop_and_a_join[delayed_clipped]",
+    # test_store.py::test_a_store_down_longer_than_the_bound_stops_the_call_naming_the_store_and_back_within_it_goes_on
+    "test_a_store_cut_off_past_its_bound_stops_the_site_saved_and_the_same_command_resumes_it",
+    # test_elastic_ddp_sites.py::test_a_site_of_two_ranks_lost_and_restarted_heals_both_ranks_and_ends_identical and
+    # test_elastic_sites.py::test_a_site_that_loses_one_rank_leaves_whole_and_heals_both_ranks_when_restarted
+    "test_three_pretrain_sites_of_two_ranks_survive_a_lost_site_and_heal_it",
+}
+BENCH_TESTS = {
+    "test_pretrain_with_a_site_at_half_a_cpu_keeps_the_other_busy",
+    "test_elastic_balanced_rounds_follow_speed_and_weight_the_average_by_steps",
+    "test_a_slow_worker_lost_under_balanced_rejoins_and_is_measured_again",
+    "test_balanced_rounds_keep_the_fast_worker_busy_and_weight_the_average_by_steps",
 }
 
 
@@ -125,7 +149,10 @@ STORE_MODULES = {"test_store", "test_store_sites", "test_store_pretrain"}
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: runs whole jobs end to end; left out by `make test-fast`")
     config.addinivalue_line("markers", "elastic: workers under a torchft Lighthouse (the `elastic` extra)")
-    config.addinivalue_line("markers", "bench: the benchmark scripts' quick runs; `make test-bench` runs them")
+    config.addinivalue_line("markers", "long: end-to-end scenarios a faster test checks too; `make test-all`")
+    config.addinivalue_line(
+        "markers", "bench: measurements and sweeps (benchmark scripts, timed runs, model families); `make test-bench`"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -139,8 +166,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             or (item.originalname in SLOW_TESTS or item.name in SLOW_TESTS)
         ):
             item.add_marker(pytest.mark.slow)
-        if module in BENCH_RUN_MODULES:
+        if module in BENCH_MODULES or item.originalname in BENCH_TESTS:
             item.add_marker(pytest.mark.bench)
+        if item.name in LONG_TESTS or item.originalname in LONG_TESTS:
+            item.add_marker(pytest.mark.long)
         if module in STORE_MODULES and without_obstore:
             item.add_marker(pytest.mark.skip(reason="a store is reached with obstore: pip install 'hf_diloco[store]'"))
         if module in ELASTIC_MODULES:
