@@ -15,7 +15,8 @@ change; `make test-bench` runs the `bench` tier, `make test-all` every tier (bef
   package). The other `test_bench_*` modules (every module's `--help`, the formulas, the plots) stay in `make test`.
 - `long`: end-to-end scenarios of 40 s or more whose rule a faster test in `make test` checks too (each named below
   with that test): a second overlap mode under the same drop and join, a store cut past its bound through the main
-  job, three sites of two ranks each.
+  job, three sites of two ranks each, a pipeline site losing a rank beside the FSDP one, a site breaking mid-exchange,
+  a site alone after serving a heal.
 - `gpu`: needs CUDA (registered in pyproject.toml); each such test skips with its reason where none is present.
 """
 
@@ -133,6 +134,14 @@ LONG_TESTS = {
     # test_elastic_ddp_sites.py::test_a_site_of_two_ranks_lost_and_restarted_heals_both_ranks_and_ends_identical and
     # test_elastic_sites.py::test_a_site_that_loses_one_rank_leaves_whole_and_heals_both_ranks_when_restarted
     "test_three_pretrain_sites_of_two_ranks_survive_a_lost_site_and_heal_it",
+    # test_elastic_sites.py::test_a_site_that_loses_one_rank_leaves_whole_and_heals_both_ranks_when_restarted[fsdp]
+    # and test_two_trainer_sites_of_two_ranks_each_end_with_the_same_global_model[pipeline]
+    "test_a_site_that_loses_one_rank_leaves_whole_and_heals_both_ranks_when_restarted[pipeline]",
+    # test_elastic_ddp_sites.py::test_a_site_of_two_ranks_lost_and_restarted_heals_both_ranks_and_ends_identical
+    "test_a_site_that_breaks_mid_exchange_leaves_whole_and_the_other_site_trains_on",
+    # test_elastic_apart.py::test_a_site_paused_while_its_peer_finished_and_the_peer_both_say_they_trained_alone and
+    # test_the_main_job_says_it_in_its_log_results_card_and_exit_status: the same sentences, rounds and exit status
+    "test_a_site_paused_after_serving_a_heal_and_the_healed_site_both_say_they_trained_alone",
 }
 BENCH_TESTS = {
     "test_pretrain_with_a_site_at_half_a_cpu_keeps_the_other_busy",
