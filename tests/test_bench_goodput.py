@@ -33,7 +33,8 @@ def test_quick_run_measures_each_run_in_its_window(tmp_path, capsys):
     for name in ("store_faults", "elastic_faults"):
         faults = runs[name]["faults"]
         assert list(sorted(faults, key=faults.get)) == ["kill", "restart", "stop", "continue"], faults
-        assert faults["continue"] - faults["stop"] >= 2 * 4 * 0.15  # two rounds of H = 4 paced steps
+        # two rounds of H = 4 paced steps, from when each signal was sent (the stop a few ms late at worst)
+        assert faults["continue"] - faults["stop"] >= 2 * 4 * 0.15 - 0.05
     # Through the store nobody waits for the slowed site: it trains about half the steps of the healthy one.
     trained = runs["store_faults"]["tokens_trained_by_site"]
     assert trained["site2_0"] < 0.75 * trained["site0_0"]
