@@ -80,13 +80,9 @@ def draw_round(path: Path) -> None:
     ax.text(7, -0.52, "exchange over the link", va="center", fontsize=8)
     ax.add_patch(Rectangle((12, -0.7), 0.8, 0.35, color=GLOBAL))
     ax.text(13, -0.52, "θg updated, the same on every worker", va="center", fontsize=8)
-    ax.set_xlim(-4.5, 2 * (steps + 2) + 4)
-    ax.set_ylim(-0.9, 5.4)
-    ax.axis("off")
-    ax.set_title("One round: H inner steps on every worker, then one outer sync (2 rounds shown)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _timeline_frame(ax, (-4.5, 2 * (steps + 2) + 4), (-0.9, 5.4),
+                    "One round: H inner steps on every worker, then one outer sync (2 rounds shown)")  # fmt: skip
+    _save(fig, path)
 
 
 def draw_overlap(path: Path) -> None:
@@ -123,13 +119,9 @@ def draw_overlap(path: Path) -> None:
     ax.text(1, -0.02, "exchange in flight, behind compute", va="center", fontsize=8)
     ax.add_patch(Rectangle((8, -0.2), 0.16, 0.35, color=GLOBAL))
     ax.text(8.5, -0.02, "apply: θg ← OuterOpt, θm ← α·θm + (1 − α)·θg", va="center", fontsize=8)
-    ax.set_xlim(-3.5, steps + 1.5)
-    ax.set_ylim(-0.4, 6.3)
-    ax.axis("off")
-    ax.set_title("Streaming fragments and overlap: the exchange hides behind the inner steps")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _timeline_frame(ax, (-3.5, steps + 1.5), (-0.4, 6.3),
+                    "Streaming fragments and overlap: the exchange hides behind the inner steps")  # fmt: skip
+    _save(fig, path)
 
 
 def draw_link(path: Path) -> None:
@@ -155,9 +147,7 @@ def draw_link(path: Path) -> None:
     ax.set_xlim(0.8, 20000)
     ax.set_xlabel("x fewer bytes than fp32 DDP per token trained (2 workers; log scale)")
     ax.set_title("What crosses the link, per worker")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def draw_comm_loss(path: Path) -> None:
@@ -171,9 +161,7 @@ def draw_comm_loss(path: Path) -> None:
     ax.set_ylabel("training loss")
     ax.set_title("DDP and Streaming DiLoCo fp4, 400 steps (comm_targets.json)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def draw_default_job(path: Path) -> None:
@@ -184,6 +172,20 @@ def draw_default_job(path: Path) -> None:
                    str(runs / "tiny_ddp"), "--out", out]  # fmt: skip
         subprocess.run(command, check=True, timeout=300)
         shutil.copyfile(Path(out) / "loss.png", path)
+
+
+def _timeline_frame(ax, xlim: tuple[float, float], ylim: tuple[float, float], title: str) -> None:
+    """A timeline's frame: its extent, no axes, its title."""
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.axis("off")
+    ax.set_title(title)
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main() -> None:
