@@ -99,6 +99,14 @@ class EventLog:
         self.file.flush()
 
 
+def ran_as_worker(argv: Sequence[str], worker_main: Callable, worker_parser: Callable) -> bool:
+    """`python -m benchmarks.NAME worker ...`: run one of the benchmark's own processes (True), else nothing (False)."""
+    if list(argv[:1]) != ["worker"]:
+        return False
+    worker_main(worker_parser().parse_args(list(argv[1:])))
+    return True
+
+
 def command_line(module: str, argv: Sequence[str] | None = None) -> str:
     """The shell command that runs `benchmarks.<module>` with `argv` (default: this process's arguments)."""
     return shlex.join(["python", "-m", f"benchmarks.{module}", *(sys.argv[1:] if argv is None else argv)])

@@ -50,7 +50,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import netns
-from benchmarks.common import RESULTS_DIR, EventLog, command_line
+from benchmarks.common import RESULTS_DIR, EventLog, command_line, ran_as_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKERS = 3
@@ -793,8 +793,7 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        worker_main(worker_parser().parse_args(argv[1:]))
+    if ran_as_worker(argv, worker_main, worker_parser):
         return {}
     parser = build_parser()
     args = parser.parse_args(argv)

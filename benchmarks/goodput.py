@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, EventLog, command_line, write_results
+from benchmarks.common import RESULTS_DIR, EventLog, command_line, ran_as_worker, write_results
 
 BAND = 0.8  # the loss band: the rounds from BAND x T to T tokens
 ROOT = Path(__file__).resolve().parent.parent
@@ -715,8 +715,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        worker_main(worker_parser().parse_args(argv[1:]))
+    if ran_as_worker(argv, worker_main, worker_parser):
         return {}
     args = parse(argv)
     torch.set_num_threads(1)  # the evaluation, on cores the sites share

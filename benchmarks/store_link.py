@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import netns
-from benchmarks.common import RESULTS_DIR, command_line, write_results
+from benchmarks.common import RESULTS_DIR, command_line, ran_as_worker, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 S3_PORT = 29600
@@ -409,8 +409,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["worker"]:
-        worker_main(worker_parser().parse_args(argv[1:]))
+    if ran_as_worker(argv, worker_main, worker_parser):
         return {}
     args = parse(argv)
     from benchmarks.elastic_outage import build_model
