@@ -55,7 +55,7 @@ def test_table_borrows_ddp_of_the_same_seed_and_refuses_ddp_runs_that_disagree(t
     "name, expected",
     [
         ("slow_link", {"compression": "fp4", "entropy_coding": "true", "inner_steps": "120"}),
-        ("sign_link", {"compression": "sign", "error_feedback": "true", "outer_lr": "1.25", "inner_steps": "120"}),
+        ("sign_link", {"compression": "sign", "error_feedback": "true", "outer_lr": "2.0", "inner_steps": "120"}),
     ],
 )
 def test_shipped_config_becomes_a_diloco_spec_of_two_workers(name, expected):
