@@ -2,6 +2,7 @@
 
     python -m benchmarks.flagship --seed 2 --out runs/flagship_seed2        # one run: DDP and the config, side by side
     python -m benchmarks.flagship --table runs/flagship_seed*.json          # per-seed table, mean and standard error
+    python -m benchmarks.flagship --table runs/flagship_seed*.json --plot seeds.png    # and the curves over the seeds
 
 A run is `benchmarks.quality --long` (the 229,952-parameter Llama, 1,720,320 tokens, 7.5 tokens per parameter,
 2 workers) with two methods: `ddp@2` and `diloco` with every setting of the `diloco:` section of `--config` (a
@@ -13,18 +14,21 @@ times fewer bytes per token the method sent than DDP, counting every byte: the t
 tail sync of `close()` (which `benchmarks.comm` reports apart). Then the mean ± standard error of the gaps and how
 many seeds' gaps are above +1% and above +2%, over the seeds given (`--seeds` picks some, e.g. the held-out ones). DDP of a seed may come from any of the runs (a run
 without `ddp@2` borrows it: DDP is deterministic for a seed); two DDP runs of one seed with different losses are
-refused.
+refused. `--plot` draws each method's training loss (worker 0, running mean) against tokens and against bytes sent,
+mean and min-max over the seeds (`benchmarks.over_seeds`), a shipped config named by its name.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 from pathlib import Path
 
 from benchmarks import quality
 from benchmarks.common import RESULTS_DIR
+from benchmarks.over_seeds import Curve, above_cells, fewer_cell, mean_gap_cell, plot_over_seeds
 
 DEFAULT_CONFIG = "slow_link"
 
@@ -39,14 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=f"{RESULTS_DIR}/flagship", help="Writes OUT.json, OUT.md and OUT.png.")
     parser.add_argument("--table", nargs="+", type=Path, metavar="RUN", help="Print the table of these runs instead.")
     parser.add_argument("--seeds", type=int, nargs="*", help="With --table: only these seeds.")
+    parser.add_argument(
+        "--plot", type=Path, metavar="PNG", help="With --table: draw each method's loss over the seeds into PNG."
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> list[dict] | list[str]:
     args = build_parser().parse_args(argv)
     if args.table:
-        lines = table([json.loads(path.read_text()) for path in args.table], args.seeds)
+        runs = [json.loads(path.read_text()) for path in args.table]
+        lines = table(runs, args.seeds)
         print("\n".join(lines))
+        if args.plot:
+            plot(runs, args.plot, args.seeds)
         return lines
     methods = ["ddp@2", config_method(args.config), *args.methods]
     return quality.main(["--long", "--seed", str(args.seed), "--out", args.out, "--methods", *methods])
@@ -112,17 +122,71 @@ def table(runs: list[dict], seeds: list[int] | None = None) -> list[str]:
     lines = ["| " + " | ".join([*header, "x fewer bytes than DDP"]) + " |", "|" + "---|" * (len(header) + 1)]
     for method, per_seed in rows.items():
         gaps = [gap for gap, _ in per_seed.values()]
-        fewer = [ratio for _, ratio in per_seed.values()]
-        error = f" ± {100 * statistics.stdev(gaps) / len(gaps) ** 0.5:.2f}" if len(gaps) > 1 else ""
         cells = [f"{100 * per_seed[s][0]:+.2f}%" if s in per_seed else "" for s in all_seeds]
-        # Counted on the gaps as the cells print them, so that a cell of +1.00% is not above +1%.
-        above = [f"{sum(round(100 * gap, 2) > limit for gap in gaps)} of {len(gaps)}" for limit in (1, 2)]
-        spread = (
-            f"{min(fewer):.0f}x" if round(min(fewer)) == round(max(fewer)) else f"{min(fewer):.0f}-{max(fewer):.0f}x"
-        )
-        mean = f"**{100 * statistics.fmean(gaps):+.2f}%{error}**"
-        lines.append(f"| {method} | " + " | ".join([*cells, mean, *above, spread]) + " |")
+        summary = [mean_gap_cell(gaps), *above_cells(gaps), fewer_cell([ratio for _, ratio in per_seed.values()])]
+        lines.append(f"| {method} | " + " | ".join([*cells, *summary]) + " |")
     return lines
+
+
+def train_curve(result: dict) -> Curve:
+    """(tokens of all workers, bytes one worker had sent, worker 0's training loss, running mean) every logged step.
+
+    The runs log no eval curve, only worker 0's batch loss every few steps (between DiLoCo's syncs, its local model's):
+    a running mean over a tenth of the run shows the trend. Bytes by step `s` are the loop's bytes times the share of
+    its syncs done by then (DDP syncs every step, DiLoCo every H steps); the last point adds close()'s tail."""
+    steps, syncs = result["steps"], max(result["syncs"], 1)
+    tokens_per_step = result["tokens_per_worker"] / steps * result["workers"]
+    logged, losses = zip(*result["train_curve"])
+    window = max(1, len(losses) // 10)
+    smooth = [statistics.fmean(losses[max(0, i - window + 1) : i + 1]) for i in range(len(losses))]
+    sent = [result["bytes_sent"] * (step * syncs // steps) / syncs for step in logged]
+    sent[-1] += result["final_sync_bytes"] if logged[-1] == steps else 0
+    return [(step * tokens_per_step, bytes_, loss) for step, bytes_, loss in zip(logged, sent, smooth)]
+
+
+def plot(runs: list[dict], path: Path, seeds: list[int] | None = None) -> bool:
+    """Every method's training loss against tokens and bytes sent, mean and min-max over the seeds of `runs`."""
+    series: dict[str, dict[int, Curve]] = {}
+    for seed, ddp in sorted(ddp_by_seed(runs).items()):
+        if not seeds or seed in seeds:
+            series.setdefault("ddp@2", {})[seed] = train_curve(ddp)
+    for run in runs:
+        seed = seed_of(run)
+        if seeds and seed not in seeds:
+            continue
+        for result in run["results"]:
+            if result["method"] != "ddp@2":
+                series.setdefault(result["method"], {})[seed] = train_curve(result)
+    labels = short_labels(list(series))
+    named = {labels[method]: list(per_seed.values()) for method, per_seed in series.items()}
+    return plot_over_seeds(named, path, "train loss, worker 0 (running mean)", "the specs are in the table")
+
+
+def short_labels(methods: list[str]) -> dict[str, str]:
+    """A shipped config's name for its spec (`sign_link`), else `name@M` with ` (a)`, ` (b)`... where several
+    methods would get one label."""
+    from hf_diloco.job.config_file import shipped_config_names
+
+    shipped = {}
+    for name in shipped_config_names():
+        with contextlib.suppress(KeyError, ValueError):
+            shipped[_settings(config_method(name))] = name
+    short = {
+        method: shipped.get(_settings(method), f"{method.split('@')[0].split(':')[0]}@{method.rpartition('@')[2]}")
+        for method in methods
+    }
+    labels = {}
+    for method, label in short.items():
+        twins = [other for other in methods if short[other] == label]
+        labels[method] = label if len(twins) < 2 else f"{label} ({chr(ord('a') + twins.index(method))})"
+    return labels
+
+
+def _settings(method: str) -> tuple[str, frozenset, str]:
+    """A spec as its name, settings (in any order) and workers: two specs of one method compare equal."""
+    body, _, workers = method.rpartition("@")
+    name, _, overrides = body.partition(":")
+    return name, frozenset(item for item in overrides.split(",") if item), workers
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import torch
 
 from benchmarks.common import RESULTS_DIR, command_line, run_on_workers, run_settings, train_worker
 from benchmarks.flagship import config_method
+from benchmarks.over_seeds import above_cells, fewer_cell, mean_gap_cell, plot_over_seeds
 
 SIZES: dict[str, dict] = {
     "cpu": {
@@ -283,13 +284,8 @@ def table(runs: dict[str, dict[int, dict]]) -> str:
         cells, mean, above1, above2, fewer = "-", "-", "-", "-", "-"
         if name != "ddp" and gaps:
             cells = ", ".join(f"s{s} {100 * g:+.2f}%" for s, g in zip(paired, gaps))
-            error = f" ± {100 * statistics.stdev(gaps) / math.sqrt(len(gaps)):.2f}" if len(gaps) > 1 else ""
-            mean = f"**{100 * statistics.fmean(gaps):+.2f}%{error}**"
-            above1 = f"{sum(round(100 * g, 2) > 1 for g in gaps)} of {len(gaps)}"  # as the cells print them
-            above2 = f"{sum(round(100 * g, 2) > 2 for g in gaps)} of {len(gaps)}"
-            ratios = [all_bytes(ddp[s]["result"]) / all_bytes(per_seed[s]["result"]) for s in paired]
-            fewer = f"{min(ratios):.0f}x" if round(min(ratios)) == round(max(ratios)) else f"{min(ratios):.0f}-"
-            fewer = fewer if fewer.endswith("x") else f"{fewer}{max(ratios):.0f}x"
+            mean, (above1, above2) = mean_gap_cell(gaps), above_cells(gaps)
+            fewer = fewer_cell([all_bytes(ddp[s]["result"]) / all_bytes(per_seed[s]["result"]) for s in paired])
         seconds = statistics.fmean(record["wall_seconds"] for record in per_seed.values())
         lines.append(
             f"| {name} | {','.join(map(str, sorted(per_seed)))} | {statistics.fmean(losses):.4f} | {cells} | {mean} "
@@ -308,38 +304,9 @@ def curves(record: dict) -> list[tuple[int, int, float]]:
 
 def plot(runs: dict[str, dict[int, dict]], path: Path) -> bool:
     """Eval loss against tokens and against bytes sent: each method's mean over its seeds, min-max shaded."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"matplotlib is not installed: no {path}", flush=True)
-        return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_tokens, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.6))
-    for name in [n for n in METHOD_NAMES if n in runs] + [n for n in runs if n not in METHOD_NAMES]:
-        series = [curves(record) for record in runs[name].values()]
-        length = min(len(points) for points in series)
-        tokens = [series[0][i][0] for i in range(length)]
-        sent = [statistics.fmean(points[i][1] for points in series) for i in range(length)]
-        losses = [[points[i][2] for points in series] for i in range(length)]
-        mean = [statistics.fmean(values) for values in losses]
-        low, high = [min(values) for values in losses], [max(values) for values in losses]
-        label = f"{name} ({len(series)} seed{'s' if len(series) > 1 else ''})"
-        (line,) = by_tokens.plot(tokens, mean, marker=".", label=label)
-        by_tokens.fill_between(tokens, low, high, color=line.get_color(), alpha=0.2)
-        by_bytes.plot(sent, mean, marker=".", color=line.get_color(), label=label)
-        by_bytes.fill_between(sent, low, high, color=line.get_color(), alpha=0.2)
-    by_tokens.set(xlabel="tokens trained (both workers)", ylabel="eval loss (held-out files)", title="Loss vs tokens")
-    by_bytes.set(xlabel="bytes sent per worker (log)", ylabel="eval loss", title="Loss vs bytes sent", xscale="log")
-    for axis in (by_tokens, by_bytes):
-        axis.legend(fontsize=8)
-        axis.grid(alpha=0.3)
-    fig.suptitle("mean over seeds, min-max shaded", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    names = [n for n in METHOD_NAMES if n in runs] + [n for n in runs if n not in METHOD_NAMES]
+    series = {name: [curves(record) for record in runs[name].values()] for name in names}
+    return plot_over_seeds(series, path, "eval loss (held-out files)")
 
 
 def report(out: Path) -> str:

@@ -63,3 +63,40 @@ def test_shipped_config_becomes_a_diloco_spec_of_two_workers(name, expected):
     assert spec.startswith("diloco:") and spec.endswith("@2")
     settings = dict(item.split("=") for item in spec[len("diloco:") : -len("@2")].split(","))
     assert expected.items() <= settings.items()
+
+
+def test_train_curve_counts_the_bytes_of_the_syncs_done_by_each_logged_step():
+    result = {
+        "steps": 240,
+        "syncs": 2,  # every 120 steps
+        "bytes_sent": 200,
+        "final_sync_bytes": 7,
+        "tokens_per_worker": 2400,
+        "workers": 2,
+        "train_curve": [[100, 5.0], [120, 4.0], [240, 3.0]],
+    }
+    curve = flagship.train_curve(result)
+    assert [point[0] for point in curve] == [2000, 2400, 4800]  # 10 tokens per step per worker, 2 workers
+    assert [point[1] for point in curve] == [0, 100, 207]  # no sync yet, one of two, both and close()'s tail
+    assert [point[2] for point in curve] == [5.0, 4.0, 3.0]  # three points: a running mean of one
+
+
+def test_plot_names_shipped_configs_and_tells_other_settings_apart(tmp_path):
+    sign = flagship.config_method("sign_link")
+    reordered = "diloco:" + ",".join(reversed(sign[len("diloco:") : -len("@2")].split(","))) + "@2"
+    labels = flagship.short_labels([reordered, "diloco:inner_steps=60@2", "diloco:inner_steps=30@2", "ddp@2"])
+    assert labels == {
+        reordered: "sign_link",  # the config's settings in another order are still the config
+        "diloco:inner_steps=60@2": "diloco@2 (a)",
+        "diloco:inner_steps=30@2": "diloco@2 (b)",
+        "ddp@2": "ddp@2",
+    }
+    runs = []
+    for seed, loss in ((2, 4.04), (3, 3.96)):
+        run = _run(seed, 4.0, loss, 0)
+        for result in run["results"]:
+            result.update(steps=20, syncs=20 if result["method"] == "ddp@2" else 2, workers=2)
+            result["train_curve"] = [[10, 6.0], [20, loss]]
+        runs.append(run)
+    assert flagship.plot(runs, tmp_path / "seeds.png")
+    assert (tmp_path / "seeds.png").stat().st_size > 10_000
