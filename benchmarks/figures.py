@@ -117,6 +117,55 @@ def screen_gap(name: str, seed: int = 0) -> str:
     return f"{100 * (run['eval_loss'] / ddp['eval_loss'] - 1):+.2f}%"
 
 
+# The shipped configs on the seeds no choice was made on (benchmarks/results/seeds: `benchmarks.flagship` runs, DDP and
+# the config side by side; `select_seed*` chose sign_link's outer lr on seeds 0-4).
+CONFIRMING_SEEDS = range(10, 20)
+SELECTION_SEEDS = range(5)
+REFERENCE_SPECS = {"diloco_h30": "diloco:inner_steps=30,outer_lr=1.0,outer_momentum=0.0@2"}
+
+
+def seeds_gaps(name: str, seeds: range = CONFIRMING_SEEDS) -> list[tuple[float, float]]:
+    """(loss gap, x fewer bytes) against DDP of the same seed: a shipped config's `diloco:` section or a reference."""
+    from benchmarks import flagship
+
+    runs = [load(path) for path in paths("seeds/*.json")]
+    ddp = flagship.ddp_by_seed(runs)
+    spec = REFERENCE_SPECS.get(name) or flagship.config_method(name)
+    found = {
+        flagship.seed_of(run): (
+            result["eval_loss"] / ddp[flagship.seed_of(run)]["eval_loss"] - 1,
+            flagship.total_bytes_per_token(ddp[flagship.seed_of(run)]) / flagship.total_bytes_per_token(result),
+        )
+        for run in runs
+        for result in run["results"]
+        if result["method"] == spec
+    }
+    missing = [seed for seed in seeds if seed not in found]
+    if missing:
+        raise ValueError(f"benchmarks/results/seeds/ has no run of {spec} on seeds {missing}")
+    return [found[seed] for seed in seeds]
+
+
+def seeds_gap(name: str, seeds: range = CONFIRMING_SEEDS) -> str:
+    """`+1.23% ± 0.45` over the seeds."""
+    from benchmarks.over_seeds import mean_gap_cell
+
+    return mean_gap_cell([gap for gap, _ in seeds_gaps(name, seeds)]).strip("*")
+
+
+def seeds_above(name: str, limit: int, seeds: range = CONFIRMING_SEEDS) -> str:
+    """`3 of 10`: the seeds whose gap is above `limit` percent."""
+    from benchmarks.over_seeds import above_cells
+
+    return above_cells([gap for gap, _ in seeds_gaps(name, seeds)], (limit,))[0]
+
+
+def seeds_fewer_bytes(name: str, seeds: range = CONFIRMING_SEEDS) -> str:
+    from benchmarks.over_seeds import fewer_cell
+
+    return fewer_cell([ratio for _, ratio in seeds_gaps(name, seeds)])
+
+
 def regime_gap(method: str, seed: int = 0) -> str:
     """The gap to DDP at 20 tokens per parameter (benchmarks.paper_regime), one seed, in percent."""
     ddp = load(f"paper_regime/ddp_seed{seed}.json")["result"]["eval_loss"]
