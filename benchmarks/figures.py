@@ -44,79 +44,6 @@ def paths(pattern: str) -> list[str]:
     return found
 
 
-# The long regime's seeds (benchmarks.quality --long): DDP per seed from the flagship runs, gaps and bytes ratios.
-def seed_of(run: dict) -> int:
-    words = run["command"].split()
-    return int(words[words.index("--seed") + 1]) if "--seed" in words else 0
-
-
-def bytes_per_token(result: dict) -> float:
-    """Every byte a worker sent, the tail sync of `close()` included, per token it trained."""
-    return (result["bytes_sent"] + result["final_sync_bytes"]) / result["tokens_per_worker"]
-
-
-@cache
-def ddp_by_seed() -> dict[int, dict]:
-    return {
-        seed_of(load(path)): result
-        for path in paths("flagship/*.json")
-        for result in load(path)["results"]
-        if result["method"] == "ddp@2"
-    }
-
-
-def against_ddp(pattern: str, method_prefix: str, seeds: range) -> list[tuple[float, float]]:
-    """(loss gap, x fewer bytes) against DDP of the same seed, for each seed of `seeds`."""
-    found = {}
-    for path in paths(pattern):
-        run = load(path)
-        for result in run["results"]:
-            if result["method"].startswith(method_prefix):
-                ddp = ddp_by_seed()[seed_of(run)]
-                found[seed_of(run)] = (
-                    result["eval_loss"] / ddp["eval_loss"] - 1,
-                    bytes_per_token(ddp) / bytes_per_token(result),
-                )
-    missing = [seed for seed in seeds if seed not in found]
-    if missing:
-        raise ValueError(f"benchmarks/results/{pattern} has no {method_prefix} run of seeds {missing}")
-    return [found[seed] for seed in seeds]
-
-
-def gap(pattern: str, method_prefix: str, seeds: range) -> str:
-    """Mean gap ± standard error over the seeds, in percent: `+0.23% ± 0.33`."""
-    gaps = [g for g, _ in against_ddp(pattern, method_prefix, seeds)]
-    return f"{100 * statistics.fmean(gaps):+.2f}% ± {100 * statistics.stdev(gaps) / len(gaps) ** 0.5:.2f}"
-
-
-def fewer_bytes(pattern: str, method_prefix: str, seeds: range) -> str:
-    ratios = [ratio for _, ratio in against_ddp(pattern, method_prefix, seeds)]
-    low, high = round(min(ratios)), round(max(ratios))
-    return f"{low}x" if low == high else f"{low}-{high}x"
-
-
-SIGN_LINK = ("sparse/sign120lr1.25_seed*.json", "diloco:compression=sign")
-SLOW_LINK = ("flagship/*.json", "diloco_fp4:inner_steps=120")
-
-
-# The same regime with the seed setting the held-out files, the data order and the shards (benchmarks/results/screen:
-# one run per method and seed, `benchmarks.comm --methods SPEC@2`), and the 20-tokens-per-parameter regime.
-SCREEN_SPECS = {
-    "diloco_h30": "diloco:inner_steps=30,outer_lr=1.0,outer_momentum=0.0@2",
-    "slow_link": "diloco:inner_steps=120,outer_lr=1.0,outer_momentum=0.0,num_fragments=1,sync_delay=0,compression=fp4",
-    "sign_link": "diloco:compression=sign,error_feedback=true,compression_block_size=512,compression_scale_dtype=bf16,"
-    "exchange_pattern=all_gather,outer_momentum=0.0,error_feedback_decay=0.95,inner_steps=120,outer_lr=1.25@2",
-}
-
-
-def screen_gap(name: str, seed: int = 0) -> str:
-    """The gap to DDP of one screened method on one seed, in percent: `+10.66%`."""
-    runs = [load(path)["results"][0] for path in paths(f"screen/*_seed{seed}.json")]
-    [ddp] = [run for run in runs if run["method"] == "ddp@2"]
-    [run] = [run for run in runs if run["method"].startswith(SCREEN_SPECS[name])]
-    return f"{100 * (run['eval_loss'] / ddp['eval_loss'] - 1):+.2f}%"
-
-
 # The shipped configs on the seeds no choice was made on (benchmarks/results/seeds: `benchmarks.flagship` runs, DDP and
 # the config side by side; `select_seed*` chose sign_link's outer lr on seeds 0-4).
 CONFIRMING_SEEDS = range(10, 20)
@@ -138,7 +65,7 @@ def seeds_gaps(name: str, seeds: range = CONFIRMING_SEEDS) -> list[tuple[float, 
         )
         for run in runs
         for result in run["results"]
-        if result["method"] == spec
+        if flagship.settings_of(result["method"]) == flagship.settings_of(spec)  # the settings in any order
     }
     missing = [seed for seed in seeds if seed not in found]
     if missing:
@@ -166,6 +93,7 @@ def seeds_fewer_bytes(name: str, seeds: range = CONFIRMING_SEEDS) -> str:
     return fewer_cell([ratio for _, ratio in seeds_gaps(name, seeds)])
 
 
+# The 20-tokens-per-parameter regime (benchmarks.paper_regime).
 def regime_gap(method: str, seed: int = 0) -> str:
     """The gap to DDP at 20 tokens per parameter (benchmarks.paper_regime), one seed, in percent."""
     ddp = load(f"paper_regime/ddp_seed{seed}.json")["result"]["eval_loss"]
@@ -257,14 +185,15 @@ def plan_check_ratios() -> list[float]:
 
 FIGURES: dict[str, Figure] = {
     # Bytes and loss against fp32 DDP, 7.5 tokens per parameter (BENCHMARKS.md, "Loss parity").
-    "sign_link_fewer_bytes": Figure(SIGN_LINK[0], lambda: fewer_bytes(*SIGN_LINK, range(10))),
-    "sign_link_gap_held_out": Figure(SIGN_LINK[0], lambda: gap(*SIGN_LINK, range(5, 10))),
-    "sign_link_gap_ten_seeds": Figure(SIGN_LINK[0], lambda: gap(*SIGN_LINK, range(10))),
-    "slow_link_fewer_bytes": Figure(SLOW_LINK[0], lambda: fewer_bytes(*SLOW_LINK, range(2, 12))),
-    "slow_link_gap_held_out": Figure(SLOW_LINK[0], lambda: gap(*SLOW_LINK, range(7, 12))),
-    "diloco_h30_gap_seed0": Figure("screen/*_seed0.json", lambda: screen_gap("diloco_h30")),
-    "slow_link_gap_seed0": Figure("screen/*_seed0.json", lambda: screen_gap("slow_link")),
-    "sign_link_gap_seed0": Figure("screen/*_seed0.json", lambda: screen_gap("sign_link")),
+    # The confirming seeds 10-19 (no setting was chosen on them) and sign_link's selection seeds 0-4.
+    "sign_link_fewer_bytes": Figure("seeds/*.json", lambda: seeds_fewer_bytes("sign_link")),
+    "slow_link_fewer_bytes": Figure("seeds/*.json", lambda: seeds_fewer_bytes("slow_link")),
+    "sign_link_gap_confirm": Figure("seeds/*.json", lambda: seeds_gap("sign_link")),
+    "sign_link_above_2_confirm": Figure("seeds/*.json", lambda: seeds_above("sign_link", 2)),
+    "sign_link_gap_select": Figure("seeds/select_seed*.json", lambda: seeds_gap("sign_link", SELECTION_SEEDS)),
+    "slow_link_gap_confirm": Figure("seeds/*.json", lambda: seeds_gap("slow_link")),
+    "slow_link_above_2_confirm": Figure("seeds/*.json", lambda: seeds_above("slow_link", 2)),
+    "diloco_h30_gap_confirm": Figure("seeds/*.json", lambda: seeds_gap("diloco_h30")),
     "regime_diloco_gap_seed0": Figure("paper_regime/*_seed0.json", lambda: regime_gap("diloco")),
     "regime_slow_link_gap_seed0": Figure("paper_regime/*_seed0.json", lambda: regime_gap("slow_link")),
     "streaming_fp4_fewer_bytes": Figure(

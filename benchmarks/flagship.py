@@ -27,7 +27,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import quality
-from benchmarks.common import RESULTS_DIR
+from benchmarks.common import RESULTS_DIR, parse_method, run_overrides
 from benchmarks.over_seeds import Curve, above_cells, fewer_cell, mean_gap_cell, plot_over_seeds
 
 DEFAULT_CONFIG = "slow_link"
@@ -144,8 +144,9 @@ def train_curve(result: dict) -> Curve:
     return [(step * tokens_per_step, bytes_, loss) for step, bytes_, loss in zip(logged, sent, smooth)]
 
 
-def plot(runs: list[dict], path: Path, seeds: list[int] | None = None) -> bool:
-    """Every method's training loss against tokens and bytes sent, mean and min-max over the seeds of `runs`."""
+def plot(runs: list[dict], path: Path, seeds: list[int] | None = None, names: dict[str, str] | None = None) -> bool:
+    """Every method's training loss against tokens and bytes sent, mean and min-max over the seeds of `runs`; `names`
+    labels some specs (others: `short_labels`)."""
     series: dict[str, dict[int, Curve]] = {}
     for seed, ddp in sorted(ddp_by_seed(runs).items()):
         if not seeds or seed in seeds:
@@ -157,7 +158,7 @@ def plot(runs: list[dict], path: Path, seeds: list[int] | None = None) -> bool:
         for result in run["results"]:
             if result["method"] != "ddp@2":
                 series.setdefault(result["method"], {})[seed] = train_curve(result)
-    labels = short_labels(list(series))
+    labels = {**short_labels(list(series)), **(names or {})}
     named = {labels[method]: list(per_seed.values()) for method, per_seed in series.items()}
     return plot_over_seeds(named, path, "train loss, worker 0 (running mean)", "the specs are in the table")
 
@@ -170,9 +171,9 @@ def short_labels(methods: list[str]) -> dict[str, str]:
     shipped = {}
     for name in shipped_config_names():
         with contextlib.suppress(KeyError, ValueError):
-            shipped[_settings(config_method(name))] = name
+            shipped[settings_of(config_method(name))] = name
     short = {
-        method: shipped.get(_settings(method), f"{method.split('@')[0].split(':')[0]}@{method.rpartition('@')[2]}")
+        method: shipped.get(settings_of(method), f"{method.split('@')[0].split(':')[0]}@{method.rpartition('@')[2]}")
         for method in methods
     }
     labels = {}
@@ -182,11 +183,14 @@ def short_labels(methods: list[str]) -> dict[str, str]:
     return labels
 
 
-def _settings(method: str) -> tuple[str, frozenset, str]:
-    """A spec as its name, settings (in any order) and workers: two specs of one method compare equal."""
-    body, _, workers = method.rpartition("@")
-    name, _, overrides = body.partition(":")
-    return name, frozenset(item for item in overrides.split(",") if item), workers
+def settings_of(method: str) -> tuple[str, str, str, int | None]:
+    """A spec as the run it makes: method name, the whole `DiLoCoConfig` (defaults filled in), run settings and
+    workers. Two specs that differ only in the order of their settings, or in naming a default, compare equal."""
+    from hf_diloco import DiLoCoConfig
+
+    name, fields, workers = parse_method(method)
+    config = "" if fields is None else repr(DiLoCoConfig(**fields))
+    return name if fields is None else "diloco", config, repr(sorted(run_overrides(method).items())), workers
 
 
 if __name__ == "__main__":

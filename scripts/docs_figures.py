@@ -8,6 +8,9 @@
 - default_job_loss.png: the default job's loss beside DDP's, drawn by `hf-diloco plot` from the runs' logs stored in
   benchmarks/results/default_job/.
 - comm_targets_loss.png, wan_utilization.png: benchmark plots from benchmarks/results.
+- loss_over_seeds.png: DDP and the shipped `slow_link` and `sign_link` over the ten confirming seeds
+  (`benchmarks.flagship --table ... --plot`, from benchmarks/results/seeds/); paper_regime_loss.png: the
+  20-tokens-per-parameter runs (`benchmarks.paper_regime`'s own plot).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 IMG = ROOT / "docs" / "img"
 RESULTS = ROOT / "benchmarks" / "results"
+SHIPPED_ON_SEEDS = ("tiny_diloco", "streaming_diloco", "slow_link", "sign_link")  # the configs measured on the seeds
 COMPUTE, EXCHANGE, GLOBAL = "#9ecae1", "#fdae6b", "#74c476"
 
 
@@ -174,6 +178,20 @@ def draw_default_job(path: Path) -> None:
         shutil.copyfile(Path(out) / "loss.png", path)
 
 
+def draw_loss_over_seeds(path: Path) -> None:
+    """The long regime's runs on the confirming seeds, as `benchmarks.flagship --table --plot` draws them."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import flagship
+    from benchmarks.figures import CONFIRMING_SEEDS, REFERENCE_SPECS
+
+    runs = [json.loads(run.read_text()) for run in sorted((RESULTS / "seeds").glob("*.json"))]
+    shipped = {flagship.config_method(name) for name in SHIPPED_ON_SEEDS}
+    reference = {REFERENCE_SPECS["diloco_h30"]: "DiLoCo H = 30, fp32"}
+    kept = [{**run, "results": [r for r in run["results"] if r["method"] in shipped | set(reference) | {"ddp@2"}]}
+            for run in runs]  # fmt: skip
+    flagship.plot(kept, path, list(CONFIRMING_SEEDS), names=reference)
+
+
 def _timeline_frame(ax, xlim: tuple[float, float], ylim: tuple[float, float], title: str) -> None:
     """A timeline's frame: its extent, no axes, its title."""
     ax.set_xlim(*xlim)
@@ -195,6 +213,8 @@ def main() -> None:
     draw_link(IMG / "link.png")
     draw_comm_loss(IMG / "comm_targets_loss.png")
     shutil.copyfile(RESULTS / "wan_utilization.png", IMG / "wan_utilization.png")
+    draw_loss_over_seeds(IMG / "loss_over_seeds.png")
+    shutil.copyfile(RESULTS / "paper_regime" / "paper_regime.png", IMG / "paper_regime_loss.png")
     if (RESULTS / "default_job").is_dir():
         draw_default_job(IMG / "default_job_loss.png")
 
