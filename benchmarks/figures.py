@@ -196,6 +196,7 @@ FIGURES: dict[str, Figure] = {
     "diloco_h30_gap_confirm": Figure("seeds/*.json", lambda: seeds_gap("diloco_h30")),
     "regime_diloco_gap_seed0": Figure("paper_regime/*_seed0.json", lambda: regime_gap("diloco")),
     "regime_slow_link_gap_seed0": Figure("paper_regime/*_seed0.json", lambda: regime_gap("slow_link")),
+    "regime_sign_link_gap_seed0": Figure("paper_regime/*_seed0.json", lambda: regime_gap("sign_link")),
     "streaming_fp4_fewer_bytes": Figure(
         "comm_targets.json", lambda: comm_fewer_bytes("comm_targets.json", "streaming_fp4")
     ),

@@ -13,12 +13,14 @@ a seed; `ShardBatches`), on the `.py`, `.pyi`, `.txt`, `.md` and `.rst` files of
 seed), a byte-level BPE tokenizer trained on the training files. A seed's data is built once (in `--work`, default
 `outputs/paper_regime_data/`, not kept in git) and read by each of its runs.
 
-Sizes (`--size`): `cpu` is about the largest Llama that trains at 20 tokens per parameter in 30 minutes per run on
-one core of the shared 2-core project machine (hidden 96, 3 layers, MLP 256, a 2048-token vocabulary: 529,056
-parameters, 10.6 M tokens, 5,167 steps of 8 x 128 tokens per worker; BENCHMARKS.md gives the measured times);
-`125m` a 124 M-parameter Llama (hidden 768, 12 layers, MLP 2560, a 32,768-token vocabulary, blocks of 1024, 32 per
-worker: 2.49 B tokens, 37,926 steps per worker) for a GPU (`--device cuda`: both workers on the one GPU, bf16
-autocast, gloo between them, θg on the host); `quick` a tiny one for the test.
+Sizes (`--size`): `cpu` a Llama sized for the 2-core project machine (hidden 96, 3 layers, MLP 256, a 2048-token
+vocabulary: 529,056 parameters, 10.6 M tokens, 5,167 steps of 8 x 128 tokens per worker): 8-10 minutes per run on
+quiet cores, 40 beside other jobs, so that 4 methods x 5 seeds fit in an afternoon; `125m` a 124 M-parameter Llama
+(hidden 768, 12 layers, MLP 2560, a 32,768-token vocabulary, blocks of 1024, 32 per worker: 2.49 B tokens, 37,926
+steps per worker) for a GPU (`--device cuda`: both workers on the one GPU, bf16 autocast, gloo between them, θg on
+the host): 6 x 124 M x 2.49 B = 1.9e18 FLOPs, about 2 hours per run on one H100 at 250 TFLOP/s (the GPU lane's
+`test_the_125m_size_trains_ddp_and_sign_link_on_one_gpu` runs its code path at 0.07 tokens per parameter);
+`quick` a tiny one for the test.
 
 Methods (`--methods`, default all): `ddp` (`ddp@2`), `diloco` (H = 100 fp32 with the paper's outer Nesterov 0.7 / 0.9,
 the library's defaults), `slow_link` and `sign_link` (the shipped configs' `diloco:` sections, read when a run

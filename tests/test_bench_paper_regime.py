@@ -2,10 +2,12 @@
 and the plot; a second start skips the finished runs; the corpus is the text files, each content once."""
 
 import json
+import math
 import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import paper_regime
 
@@ -45,3 +47,22 @@ def test_the_corpus_is_each_text_file_once(tmp_path):
     (tmp_path / "__pycache__").mkdir()
     (tmp_path / "__pycache__" / "g.py").write_text("y = 2\n")
     assert [path.name for path in paper_regime.corpus_files(tmp_path)] == ["a.py", "d.md"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: torch.cuda.is_available() is False here")
+@pytest.mark.timeout(900)
+def test_the_125m_size_trains_ddp_and_sign_link_on_one_gpu(tmp_path):
+    """The GPU lane's check of `--size 125m --device cuda`, cut to 0.07 tokens per parameter: ~8.7 M tokens, 133
+    steps per worker, so `sign_link` (H = 120) syncs once. On paper it is the full run's code path: the same model,
+    tokenizer size, blocks and batch; both workers on the one GPU under bf16 autocast, gloo between them, θg on the
+    host. The full run (20 tokens per parameter, 37,926 steps per worker) is 6 x 124 M x 2.49 B = 1.9e18 FLOPs: about
+    2 hours per method and seed on one H100 at 250 TFLOP/s, 40 GPU-hours for 4 methods x 5 seeds (BENCHMARKS.md)."""
+    out = tmp_path / "out"
+    argv = ["--size", "125m", "--device", "cuda", "--tokens_per_parameter", "0.07", "--max_files", "5000"]
+    argv += ["--methods", "ddp", "sign_link", "--seeds", "0", "--out", str(out), "--work", str(tmp_path / "work")]
+    paper_regime.main(argv)
+    ddp, sign = (json.loads((out / f"{name}_seed0.json").read_text()) for name in ("ddp", "sign_link"))
+    assert ddp["parameters"] > 120_000_000 and ddp["size"] == "125m"
+    assert sign["result"]["syncs"] >= 1 and 0 < sign["result"]["bytes_sent"] < ddp["result"]["bytes_sent"] / 100
+    assert all(math.isfinite(record["result"]["eval_loss"]) for record in (ddp, sign))
