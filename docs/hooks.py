@@ -28,6 +28,7 @@ PUBLISHED_AS = {ROOT / "BENCHMARKS.md": DOCS / "benchmarks.md", ROOT / "docs" / 
 PLACEHOLDER = re.compile(r"\{\{ ([a-z0-9_]+) \}\}")
 INCLUDE = re.compile(r"^<!-- include: (\S+) -->$", re.M)
 LINK = re.compile(r"\]\(([^)#\s]+\.md)(#[^)\s]*)?\)")
+IMAGE = re.compile(r"\]\(((?![a-z]+://)[^)#\s]+\.png)()\)")  # a local image: rebased like a page link
 
 
 def figures() -> dict[str, dict]:
@@ -62,7 +63,8 @@ def figures_table() -> str:
 
 
 def include(match: re.Match, page: Path) -> str:
-    """The file's text without its title, its relative links rewritten from its folder to the including page's."""
+    """The file's text without its title, its relative links and images rewritten from its folder to the including
+    page's."""
     included = ROOT / match.group(1)
     text = included.read_text()
     text = text.split("\n", 1)[1] if text.startswith("# ") else text
@@ -71,7 +73,7 @@ def include(match: re.Match, page: Path) -> str:
         target = os.path.relpath((included.parent / link.group(1)).resolve(), page.parent)
         return f"]({target}{link.group(2) or ''})"
 
-    return LINK.sub(rebase, text)
+    return IMAGE.sub(rebase, LINK.sub(rebase, text))
 
 
 def substitute_figure(match: re.Match, known: dict[str, dict], page: str) -> str:
