@@ -19,7 +19,7 @@ PACKAGE = ROOT / "benchmarks"
 MODULES = sorted(
     info.name
     for info in pkgutil.iter_modules(benchmarks.__path__)
-    if info.name not in ("common", "netns", "store_counts")  # helpers, not benchmarks
+    if info.name not in ("common", "netns", "over_seeds", "store_counts")  # helpers, not benchmarks
 )
 
 
