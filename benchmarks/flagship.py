@@ -144,9 +144,8 @@ def train_curve(result: dict) -> Curve:
     return [(step * tokens_per_step, bytes_, loss) for step, bytes_, loss in zip(logged, sent, smooth)]
 
 
-def plot(runs: list[dict], path: Path, seeds: list[int] | None = None, names: dict[str, str] | None = None) -> bool:
-    """Every method's training loss against tokens and bytes sent, mean and min-max over the seeds of `runs`; `names`
-    labels some specs (others: `short_labels`)."""
+def plot(runs: list[dict], path: Path, seeds: list[int] | None = None) -> bool:
+    """Every method's training loss against tokens and bytes sent, mean and min-max over the seeds of `runs`."""
     series: dict[str, dict[int, Curve]] = {}
     for seed, ddp in sorted(ddp_by_seed(runs).items()):
         if not seeds or seed in seeds:
@@ -158,7 +157,7 @@ def plot(runs: list[dict], path: Path, seeds: list[int] | None = None, names: di
         for result in run["results"]:
             if result["method"] != "ddp@2":
                 series.setdefault(result["method"], {})[seed] = train_curve(result)
-    labels = {**short_labels(list(series)), **(names or {})}
+    labels = short_labels(list(series))
     named = {labels[method]: list(per_seed.values()) for method, per_seed in series.items()}
     return plot_over_seeds(named, path, "train loss, worker 0 (running mean)", "the specs are in the table")
 
