@@ -55,18 +55,11 @@ def seeds_gaps(name: str, seeds: range = CONFIRMING_SEEDS) -> list[tuple[float, 
     """(loss gap, x fewer bytes) against DDP of the same seed: a shipped config's `diloco:` section or a reference."""
     from benchmarks import flagship
 
-    runs = [load(path) for path in paths("seeds/*.json")]
-    ddp = flagship.ddp_by_seed(runs)
     spec = REFERENCE_SPECS.get(name) or flagship.config_method(name)
-    found = {
-        flagship.seed_of(run): (
-            result["eval_loss"] / ddp[flagship.seed_of(run)]["eval_loss"] - 1,
-            flagship.total_bytes_per_token(ddp[flagship.seed_of(run)]) / flagship.total_bytes_per_token(result),
-        )
-        for run in runs
-        for result in run["results"]
-        if flagship.settings_of(result["method"]) == flagship.settings_of(spec)  # the settings in any order
-    }
+    found: dict[int, tuple[float, float]] = {}
+    for method, per_seed in flagship.gaps_by_method([load(path) for path in paths("seeds/*.json")]).items():
+        if flagship.settings_of(method) == flagship.settings_of(spec):  # the settings in any order
+            found.update(per_seed)
     missing = [seed for seed in seeds if seed not in found]
     if missing:
         raise ValueError(f"benchmarks/results/seeds/ has no run of {spec} on seeds {missing}")

@@ -100,8 +100,9 @@ def ddp_by_seed(runs: list[dict]) -> dict[int, dict]:
     return found
 
 
-def table(runs: list[dict], seeds: list[int] | None = None) -> list[str]:
-    """Per seed and method: gap to DDP and bytes ratio (tail included); then mean ± s.e. of the gaps."""
+def gaps_by_method(runs: list[dict], seeds: list[int] | None = None) -> dict[str, dict[int, tuple[float, float]]]:
+    """Per method and seed of `runs` (only `seeds`, where given): (gap to DDP of the seed, x fewer bytes, tail
+    included)."""
     rows: dict[str, dict[int, tuple[float, float]]] = {}
     ddp_of = ddp_by_seed(runs)
     for run in runs:
@@ -117,6 +118,12 @@ def table(runs: list[dict], seeds: list[int] | None = None) -> list[str]:
             gap = result["eval_loss"] / ddp["eval_loss"] - 1
             fewer = total_bytes_per_token(ddp) / total_bytes_per_token(result)
             rows.setdefault(result["method"], {})[seed] = (gap, fewer)
+    return rows
+
+
+def table(runs: list[dict], seeds: list[int] | None = None) -> list[str]:
+    """Per seed and method: gap to DDP and bytes ratio (tail included); then mean ± s.e. of the gaps."""
+    rows = gaps_by_method(runs, seeds)
     all_seeds = sorted({seed for per_seed in rows.values() for seed in per_seed})
     header = ["method", *(f"seed {s}" for s in all_seeds), "mean gap ± s.e.", "above +1%", "above +2%"]
     lines = ["| " + " | ".join([*header, "x fewer bytes than DDP"]) + " |", "|" + "---|" * (len(header) + 1)]
