@@ -14,8 +14,8 @@ seed), a byte-level BPE tokenizer trained on the training files. A seed's data i
 `outputs/paper_regime_data/`, not kept in git) and read by each of its runs.
 
 Sizes (`--size`): `cpu` a Llama sized for the 2-core project machine (hidden 96, 3 layers, MLP 256, a 2048-token
-vocabulary: 529,056 parameters, 10.6 M tokens, 5,167 steps of 8 x 128 tokens per worker): 8-10 minutes per run on
-quiet cores, 40 beside other jobs, so that 4 methods x 5 seeds fit in an afternoon; `125m` a 124 M-parameter Llama
+vocabulary: 529,056 parameters, 10.6 M tokens, 5,167 steps of 8 x 128 tokens per worker): 6-7 minutes per run on
+quiet cores, 10-40 beside other jobs, so that 4 methods x 5 seeds fit in an afternoon; `125m` a 124 M-parameter Llama
 (hidden 768, 12 layers, MLP 2560, a 32,768-token vocabulary, blocks of 1024, 32 per worker: 2.49 B tokens, 37,926
 steps per worker) for a GPU (`--device cuda`: both workers on the one GPU, bf16 autocast, gloo between them, θg on
 the host): 6 x 124 M x 2.49 B = 1.9e18 FLOPs, about 2 hours per run on one H100 at 250 TFLOP/s (the GPU lane's
@@ -264,6 +264,17 @@ def all_bytes(result: dict) -> int:
     return result["bytes_sent"] + result["final_sync_bytes"]
 
 
+def gaps_to_ddp(runs: dict[str, dict[int, dict]], name: str) -> dict[int, float]:
+    """A method's eval-loss gap to DDP (a fraction), per seed that both have run."""
+    ddp = runs.get("ddp", {})
+    per_seed = runs.get(name, {})
+    return {
+        seed: per_seed[seed]["result"]["eval_loss"] / ddp[seed]["result"]["eval_loss"] - 1
+        for seed in sorted(per_seed)
+        if seed in ddp
+    }
+
+
 def table(runs: dict[str, dict[int, dict]]) -> str:
     """Per method: mean eval loss, gap to DDP of the same seed (mean ± s.e., runs above +1% and +2%), bytes."""
     ddp = runs.get("ddp", {})
@@ -281,8 +292,8 @@ def table(runs: dict[str, dict[int, dict]]) -> str:
     for name in sorted(runs, key=lambda n: METHOD_NAMES.index(n) if n in METHOD_NAMES else len(METHOD_NAMES)):
         per_seed = runs[name]
         losses = [record["result"]["eval_loss"] for record in per_seed.values()]
-        paired = sorted(seed for seed in per_seed if seed in ddp)
-        gaps = [per_seed[s]["result"]["eval_loss"] / ddp[s]["result"]["eval_loss"] - 1 for s in paired]
+        by_seed = gaps_to_ddp(runs, name)
+        paired, gaps = list(by_seed), list(by_seed.values())
         cells, mean, above1, above2, fewer = "-", "-", "-", "-", "-"
         if name != "ddp" and gaps:
             cells = ", ".join(f"s{s} {100 * g:+.2f}%" for s, g in zip(paired, gaps))
