@@ -51,16 +51,36 @@ def references_of(result: dict, results: list[dict], versus: list[tuple[str, str
     return references
 
 
-def gap_table(runs: dict[int, list[dict]], versus: list[tuple[str, str]]) -> list[str]:
-    seeds = sorted(runs)
-    gaps: dict[tuple[str, str], dict[int, float]] = {}  # (method, reference) -> seed -> gap
-    for seed in seeds:
+def load_runs(paths: list[Path]) -> dict[int, list[dict]]:
+    """The results of several runs by seed; a method in two files of one seed must have the same eval loss."""
+    runs: dict[int, list[dict]] = {}
+    for path in paths:
+        seed, results = load_run(path)
+        earlier = {r["method"]: r["eval_loss"] for r in runs.get(seed, [])}
+        differing = sorted(r["method"] for r in results if earlier.get(r["method"], r["eval_loss"]) != r["eval_loss"])
+        if differing:
+            raise ValueError(f"{path}: seed {seed} already has {differing} from another file, with another eval loss")
+        runs.setdefault(seed, []).extend(r for r in results if r["method"] not in earlier)
+    return runs
+
+
+def gaps_by_pair(
+    runs: dict[int, list[dict]], versus: list[tuple[str, str]]
+) -> dict[tuple[str, str], dict[int, float]]:
+    """(method, reference) -> seed -> eval-loss gap (a fraction), for every method and each of its references."""
+    gaps: dict[tuple[str, str], dict[int, float]] = {}
+    for seed in sorted(runs):
         for result in runs[seed]:
             for reference in references_of(result, runs[seed], versus):
                 row = gaps.setdefault((result["method"], reference["method"]), {})
                 row[seed] = result["eval_loss"] / reference["eval_loss"] - 1
+    return gaps
+
+
+def gap_table(runs: dict[int, list[dict]], versus: list[tuple[str, str]]) -> list[str]:
+    seeds = sorted(runs)
     rows = []
-    for (method, reference), per_seed in gaps.items():
+    for (method, reference), per_seed in gaps_by_pair(runs, versus).items():
         values = list(per_seed.values())
         error = f"{100 * statistics.stdev(values) / len(values) ** 0.5:.2f}%" if len(values) > 1 else "-"
         cells = {seed: f"{100 * gap:+.2f}%" for seed, gap in per_seed.items()}
@@ -106,14 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--losses", action="store_true", help="eval losses per seed instead of gaps")
     args = parser.parse_args(argv)
     versus = [tuple(pair.split("=", 1)) for pair in args.versus] + [tuple(pair) for pair in args.pair]
-    runs: dict[int, list[dict]] = {}
-    for path in args.runs:
-        seed, results = load_run(path)
-        earlier = {r["method"]: r["eval_loss"] for r in runs.get(seed, [])}
-        differing = sorted(r["method"] for r in results if earlier.get(r["method"], r["eval_loss"]) != r["eval_loss"])
-        if differing:
-            parser.error(f"{path}: seed {seed} already has {differing} from another file, with another eval loss")
-        runs.setdefault(seed, []).extend(r for r in results if r["method"] not in earlier)
+    try:
+        runs = load_runs(args.runs)
+    except ValueError as error:
+        parser.error(str(error))
     print("\n".join(loss_table(runs) if args.losses else gap_table(runs, versus)))
 
 
