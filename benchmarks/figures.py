@@ -109,7 +109,7 @@ def regime_gap(method: str) -> str:
 
 
 # Targets rerun on the confirming seeds with the seed setting the data (benchmarks/results/confirm: benchmarks.quality
-# runs, one file per seed; the pairs of BENCHMARKS.md's "Overlap" and "Adaptive compression" sections).
+# runs, one file per seed; the pairs of BENCHMARKS.md's "Overlap" section and of M = 1 against AdamW).
 EAGER_BLOCKING = "diloco_fp4:inner_steps=25,outer_lr=0.5,outer_momentum=0.5@2"
 EAGER = {
     "own_share": "eager_fp4:inner_steps=25,outer_lr=1.0,outer_momentum=0.0@2",
@@ -235,6 +235,10 @@ FIGURES: dict[str, Figure] = {
     ),
     "eager_own_share_gap_confirm": Figure(
         "confirm/h25_seed*.json", lambda: confirm_gap("confirm/h25_seed*.json", EAGER["own_share"], EAGER_BLOCKING)
+    ),
+    "m1_vs_adamw_gap_confirm": Figure(
+        "confirm/m1_seed*.json",
+        lambda: confirm_gap("confirm/m1_seed*.json", "diloco_h50:outer_lr=0.5,outer_momentum=0.5@1", "ddp@1"),
     ),
     "streaming_fp4_fewer_bytes": Figure(
         "comm_targets.json", lambda: comm_fewer_bytes("comm_targets.json", "streaming_fp4")
