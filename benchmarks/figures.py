@@ -44,6 +44,14 @@ def paths(pattern: str) -> list[str]:
     return found
 
 
+def on_seeds(found: dict, seeds: range, what: str) -> list:
+    """`found`'s values for `seeds`, in order; an error naming `what` and the seeds it lacks."""
+    missing = [seed for seed in seeds if seed not in found]
+    if missing:
+        raise ValueError(f"{what} on seeds {missing}")
+    return [found[seed] for seed in seeds]
+
+
 # The shipped configs on the seeds no choice was made on (benchmarks/results/seeds: `benchmarks.flagship` runs, DDP and
 # the config side by side; `select_seed*` chose sign_link's outer lr on seeds 0-4).
 CONFIRMING_SEEDS = range(10, 20)
@@ -60,10 +68,7 @@ def seeds_gaps(name: str, seeds: range = CONFIRMING_SEEDS) -> list[tuple[float, 
     for method, per_seed in flagship.gaps_by_method([load(path) for path in paths("seeds/*.json")]).items():
         if flagship.settings_of(method) == flagship.settings_of(spec):  # the settings in any order
             found.update(per_seed)
-    missing = [seed for seed in seeds if seed not in found]
-    if missing:
-        raise ValueError(f"benchmarks/results/seeds/ has no run of {spec} on seeds {missing}")
-    return [found[seed] for seed in seeds]
+    return on_seeds(found, seeds, f"benchmarks/results/seeds/ has no run of {spec}")
 
 
 def seeds_gap(name: str, seeds: range = CONFIRMING_SEEDS) -> str:
@@ -95,10 +100,7 @@ def regime_gaps(method: str, seeds: range = REGIME_SEEDS) -> list[float]:
     from benchmarks import paper_regime
 
     found = paper_regime.gaps_to_ddp(paper_regime.load_runs(RESULTS / "paper_regime"), method)
-    missing = [seed for seed in seeds if seed not in found]
-    if missing:
-        raise ValueError(f"benchmarks/results/paper_regime/ has no {method} run (or no DDP run) on seeds {missing}")
-    return [found[seed] for seed in seeds]
+    return on_seeds(found, seeds, f"benchmarks/results/paper_regime/ has no {method} run (or no DDP run)")
 
 
 def regime_gap(method: str) -> str:
@@ -124,10 +126,8 @@ def confirm_gap(pattern: str, method: str, reference: str) -> str:
 
     runs = seed_table.load_runs([RESULTS / path for path in paths(pattern)])
     per_seed = seed_table.gaps_by_pair(runs, [(method, reference)]).get((method, reference), {})
-    missing = [seed for seed in CONFIRMING_SEEDS if seed not in per_seed]
-    if missing:
-        raise ValueError(f"benchmarks/results/{pattern} has no {method} against {reference} on seeds {missing}")
-    return mean_gap_cell([per_seed[seed] for seed in CONFIRMING_SEEDS]).strip("*")
+    what = f"benchmarks/results/{pattern} has no {method} against {reference}"
+    return mean_gap_cell(on_seeds(per_seed, CONFIRMING_SEEDS, what)).strip("*")
 
 
 def comm_fewer_bytes(name: str, method: str) -> str:
