@@ -96,7 +96,7 @@ def test_resuming_at_the_last_step_trains_and_writes_nothing(sequence):
         assert result["first"]["steps"] == list(range(1, 9))
         for case in ("after_final_checkpoint", "rerun"):
             assert result[case]["steps"] == [] and result[case]["global_step"] == 8, case
-            assert result[case]["unchanged"], f"{case}: the output folder changed"
+            assert result[case]["changed"] == [], f"{case}: the output folder changed"
         assert result["after_final_checkpoint"]["finished"]
         assert result["after_final_checkpoint"]["model_is_checkpoint"]
 
@@ -110,7 +110,7 @@ def test_checkpoints_that_all_fail_to_verify_stop_the_run_and_are_never_lost(seq
     run = base / "run"
     for result in results:
         refused = result["refused"]
-        assert refused["error"] == "CheckpointError" and refused["steps"] == [] and refused["unchanged"]
+        assert refused["error"] == "CheckpointError" and refused["steps"] == [] and refused["changed"] == []
         assert result["refused_auto_resume"]["error"] == "CheckpointError"
         for message in (refused["message"], result["refused_auto_resume"]["message"]):
             for part in (
@@ -138,7 +138,7 @@ def test_resume_with_another_model_or_world_size_is_refused_before_loading(seque
     base, results = sequence
     for result in results:
         other = result["other_model"]
-        assert other["error"] == "CheckpointError" and other["unchanged"]
+        assert other["error"] == "CheckpointError" and other["changed"] == []
         assert "hidden_size: 32 -> 64" in other["message"] and "--output_dir" in other["message"]
     from hf_diloco import DiLoCoTrainer, DiLoCoTrainingArguments
 
@@ -167,7 +167,7 @@ def test_resume_with_other_settings_than_the_checkpoint_names_them_before_any_st
             assert refused["error"] == "CheckpointError", (case, refused)
             assert named in refused["message"] and "Resume with the checkpoint's values" in refused["message"], case
             assert "another --output_dir" in refused["message"]
-            assert refused["steps"] == [] and refused["unchanged"], case
+            assert refused["steps"] == [] and refused["changed"] == [], case
             assert refused["message"].count(" in the checkpoint, ") == 1, refused["message"]
 
 

@@ -123,6 +123,12 @@ def snapshot(folder: Path) -> dict[str, str]:
     }
 
 
+def changes(folder: Path, before: dict[str, str]) -> list[str]:
+    """The files under `folder` added, removed or rewritten since `before` (a `snapshot`)."""
+    after = snapshot(folder)
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+
+
 def attempt(run) -> dict[str, Any]:
     """Run `run()`; what it raised (type and message) and how long it took."""
     start = time.time()
@@ -150,11 +156,12 @@ def sequence(base: Path, rank: int) -> dict[str, Any]:
         "steps": counter.steps,
         "global_step": output.global_step,
         "finished": trainer.resumed_a_finished_run,
-        "unchanged": snapshot(run) == before,
+        "changed": changes(run, before),
         "model_is_checkpoint": all(
             torch.equal(p, saved[n]) for n, p in trainer.model.state_dict().items() if n in saved
         ),
     }
+    dist.barrier()  # every rank has looked at the folder before rank 0 writes the model into it
     trainer.save_model()  # what the main job does next when the final model is missing
     dist.barrier()
 
@@ -165,18 +172,18 @@ def sequence(base: Path, rank: int) -> dict[str, Any]:
     results["rerun"] = {
         "steps": counter.steps,
         "global_step": output.global_step,
-        "unchanged": snapshot(run) == before,
+        "changed": changes(run, before),
     }
 
     trainer, counter = make_trainer(run, model={"hidden_size": 64})
     results["other_model"] = attempt(lambda: trainer.train(resume_from_checkpoint=True))
-    results["other_model"]["unchanged"] = snapshot(run) == before
+    results["other_model"]["changed"] = changes(run, before)
 
     # Another batch, data seed, DiLoCo field or tokenizer than the checkpoint's: refused, naming it, before any step.
     for case, overrides in RESUME_CHANGES.items():
         trainer, counter = make_trainer(run, **overrides)
         results[f"changed_{case}"] = attempt(lambda trainer=trainer: trainer.train(resume_from_checkpoint=True))
-        results[f"changed_{case}"].update(steps=counter.steps, unchanged=snapshot(run) == before)
+        results[f"changed_{case}"].update(steps=counter.steps, changed=changes(run, before))
 
     # Only scheduler.pt of each checkpoint is truncated; the weights are intact.
     dist.barrier()
@@ -188,8 +195,9 @@ def sequence(base: Path, rank: int) -> dict[str, Any]:
     before = snapshot(run)
     trainer, counter = make_trainer(run)
     results["refused"] = attempt(lambda: trainer.train(resume_from_checkpoint=True))
-    results["refused"].update(steps=counter.steps, unchanged=snapshot(run) == before, before=before)
+    results["refused"].update(steps=counter.steps, changed=changes(run, before), before=before)
     results["refused_auto_resume"] = attempt(lambda: checkpoint_to_resume(run))  # what the main job calls
+    dist.barrier()  # every rank has looked at the folder before the next run moves checkpoints aside
 
     # Starting over knowingly, with rotation down to one checkpoint: the refused ones are moved aside, not deleted.
     trainer, counter = make_trainer(run, save_total_limit=1)
